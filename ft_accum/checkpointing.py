@@ -1,0 +1,119 @@
+"""Checkpoints that are complete or absent, never half-written.
+
+Layout: `output_dir/checkpoints/step_000120/` holds what `accelerator.save_state` writes (model,
+optimizer, scheduler, sampler and RNG states of every process) plus `training_state.json` (the
+update counter and the running totals), which is written last and marks the checkpoint complete.
+
+Each checkpoint is written to `checkpoints/.tmp-step_000120/` and renamed into place once every
+process has finished writing. A rename within one filesystem is atomic (POSIX rename(2)), so a
+crash leaves either the old set of checkpoints or the new one, plus a `.tmp-*` folder that
+`latest_checkpoint` ignores and the next save removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ft_accum.errors import ConfigError
+
+STATE_FILE = "training_state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    """`step_000120`: zero-padded so that names sort in step order."""
+    return f"step_{step:06d}"
+
+
+def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, state: dict[str, Any]) -> Path:
+    """Save `accelerator.save_state` plus `state` atomically; call it on every process at a sync step."""
+    root = Path(output_dir) / "checkpoints"
+    final = root / checkpoint_name(step)
+    tmp = root / f".tmp-{checkpoint_name(step)}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _write_json_durably(tmp / STATE_FILE, {"step": step, **state})
+        if final.exists():
+            # A re-run reached the same step: swap the old one out first, since rename(2)
+            # cannot replace a non-empty directory.
+            stale = root / f".tmp-old-{checkpoint_name(step)}"
+            os.replace(final, stale)
+            shutil.rmtree(stale)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step under `output_dir/checkpoints`, or None."""
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints (those holding training_state.json), oldest first."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume_checkpoint(resume_from_checkpoint: str, output_dir: str | os.PathLike) -> Path:
+    """Turn `--resume_from_checkpoint PATH|latest` into a complete checkpoint folder, or explain."""
+    available = list_checkpoints(output_dir)
+    listing = ", ".join(str(p) for p in available) or f"none under {Path(output_dir) / 'checkpoints'}"
+    if resume_from_checkpoint == "latest":
+        if not available:
+            raise ConfigError(
+                f"--resume_from_checkpoint latest: no complete checkpoint under "
+                f"{Path(output_dir) / 'checkpoints'}; check --output_dir, or start without resuming"
+            )
+        return available[-1]
+    path = Path(resume_from_checkpoint)
+    if not path.is_dir():
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume_from_checkpoint} does not exist; "
+            f"pass one of: {listing}, or 'latest'"
+        )
+    if not (path / STATE_FILE).is_file():
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume_from_checkpoint} is not a complete checkpoint "
+            f"(no {STATE_FILE}); pass one of: {listing}, or 'latest'"
+        )
+    return path
+
+
+def load_training_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
+    """The `training_state.json` saved beside the accelerator state."""
+    return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+
+
+def _write_json_durably(path: Path, payload: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

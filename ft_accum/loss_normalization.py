@@ -1,0 +1,59 @@
+"""Exact loss normalisation over an accumulation window.
+
+The update we want is the gradient of the mean loss over every item (sample, or target token)
+in the window, summed over all processes:
+
+    g* = Σ_p Σ_i ∇S_{p,i} / T
+
+where S_{p,i} is the *summed* loss of micro-batch i on process p and T the number of items in
+the whole window on all processes. What actually lands in `.grad` when each micro-batch
+backpropagates S / c (c: a fixed nominal item count, e.g. the micro-batch size) is
+
+    g  = (1/P) Σ_p Σ_i ∇S_{p,i} / (c · N)
+
+because `accelerator.backward` always divides by N = gradient_accumulation_steps
+(accelerate/accelerator.py, Accelerator.backward), even on the incomplete last window of an
+epoch, and DDP/FSDP average the gradient over the P processes. Hence
+
+    g* = g × c · N · P / T
+
+which is 1 for every full window of a fixed-size task, and corrects the incomplete last window
+that Accelerate and Lightning divide by N anyway (Lightning-AI/pytorch-lightning#19987; fixed in
+transformers#39659). T is only known at the sync step, so the correction multiplies the
+accumulated gradient once, before clipping: no prefetching of batches is needed.
+
+DeepSpeed steps inside `accelerator.backward`, so there is no point between the last backward
+and the step at which to rescale; under DeepSpeed only full windows are exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def window_gradient_scale(
+    window_items: float, nominal_items: float, gradient_accumulation_steps: int, num_processes: int
+) -> float:
+    """c · N · P / T: the factor that turns the accumulated gradient into the window mean.
+
+    Args:
+        window_items: T, items in the window summed over all processes.
+        nominal_items: c, the constant each micro-batch's summed loss was divided by.
+        gradient_accumulation_steps: N, what `accelerator.backward` divided by.
+        num_processes: P, what DDP averaged over.
+    """
+    if window_items <= 0:
+        raise ValueError(f"an accumulation window must hold at least one item, got {window_items}")
+    return nominal_items * gradient_accumulation_steps * num_processes / window_items
+
+
+@torch.no_grad()
+def scale_gradients_(parameters: Iterable[torch.nn.Parameter], factor: float) -> None:
+    """Multiply every existing `.grad` by `factor` in place (a no-op when factor is exactly 1)."""
+    if factor == 1.0:
+        return
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)

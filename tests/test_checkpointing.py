@@ -1,0 +1,72 @@
+import json
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+
+from ft_accum import checkpointing
+from ft_accum.errors import ConfigError
+
+
+@pytest.fixture
+def accelerator():
+    acc = Accelerator(cpu=True)
+    yield acc
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def prepared(accelerator):
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    return accelerator.prepare(model, optimizer)
+
+
+def test_save_writes_a_complete_checkpoint_and_latest_finds_it(tmp_path, accelerator):
+    prepared(accelerator)
+    for step in (3, 12, 7):
+        checkpointing.save_checkpoint(accelerator, tmp_path, step, {"samples_seen": step * 8})
+    assert checkpointing.latest_checkpoint(tmp_path).name == "step_000012"
+    assert [p.name for p in checkpointing.list_checkpoints(tmp_path)] == ["step_000003", "step_000007", "step_000012"]
+    state = checkpointing.load_training_state(tmp_path / "checkpoints" / "step_000012")
+    assert state == {"step": 12, "samples_seen": 96}
+    assert (tmp_path / "checkpoints" / "step_000012" / "model.safetensors").is_file()
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_crash_while_saving_leaves_no_checkpoint(tmp_path, accelerator, monkeypatch):
+    prepared(accelerator)
+    checkpointing.save_checkpoint(accelerator, tmp_path, 1, {})
+
+    def crash(output_dir, **kwargs):
+        (tmp_path / "checkpoints" / ".tmp-step_000002" / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(accelerator, "save_state", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointing.save_checkpoint(accelerator, tmp_path, 2, {})
+    assert not (tmp_path / "checkpoints" / "step_000002").exists()
+    assert checkpointing.latest_checkpoint(tmp_path).name == "step_000001"
+    assert checkpointing.resolve_resume_checkpoint("latest", tmp_path).name == "step_000001"
+
+
+def test_a_folder_without_the_state_file_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "checkpoints" / "step_000005").mkdir(parents=True)
+    assert checkpointing.latest_checkpoint(tmp_path) is None
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        checkpointing.resolve_resume_checkpoint(str(tmp_path / "checkpoints" / "step_000005"), tmp_path)
+
+
+def test_resume_errors_name_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="no complete checkpoint.*start without resuming"):
+        checkpointing.resolve_resume_checkpoint("latest", tmp_path)
+    (tmp_path / "checkpoints" / "step_000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000004" / checkpointing.STATE_FILE).write_text(json.dumps({"step": 4}))
+    with pytest.raises(ConfigError, match="does not exist; pass one of: .*step_000004, or 'latest'"):
+        checkpointing.resolve_resume_checkpoint(str(tmp_path / "nope"), tmp_path)
+
+
+def test_names_sort_in_step_order():
+    names = [checkpointing.checkpoint_name(s) for s in (2, 10, 100000)]
+    assert names == sorted(names) == ["step_000002", "step_000010", "step_100000"]

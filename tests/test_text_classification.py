@@ -1,0 +1,194 @@
+"""recipes/text_classification.py against real full-batch runs, in-process and through `accelerate launch`.
+
+Tolerances: all runs are fp32 with dropout 0 on the same samples per update, so they differ only in
+summation order (micro-batch shapes, padding lengths, the all-reduce). That is ~1e-7 relative per
+operation; 1e-5 leaves room for a few AdamW steps while a wrong weighting (e.g. the short window
+divided by N, or one micro-batch counted twice) shows up as 1e-2 or more.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from safetensors.torch import load_file
+from conftest import (
+    final_weights,
+    launch,
+    launch_command,
+    read_metrics,
+    relative_error,
+    run_in_process,
+    tiny_args,
+    write_jsonl,
+    make_rows,
+)
+
+RTOL = 1e-5
+# For update-vs-update comparisons: fp32 rounding of weights of size ~1 against steps of ~1e-2
+# is ~1e-5 of the step; a wrong weighting is ≥ 1e-1.
+UPDATE_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def full_batch_run(tmp_path_factory, tiny_model_dir, data_files):
+    """The reference: one process, micro-batch 8, no accumulation, 48 samples → 6 updates."""
+    out = tmp_path_factory.mktemp("full-batch")
+    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, out, per_device_train_batch_size=8, gradient_accumulation_steps=1))
+    return out
+
+
+def assert_same_run(out, reference):
+    ours, theirs = read_metrics(out), read_metrics(reference)
+    assert [m["step"] for m in ours] == [m["step"] for m in theirs]
+    for a, b in zip(ours, theirs):
+        # grad_norm is measured before clipping: it catches any wrong scale of the gradient, which
+        # AdamW's updates alone would hide (Adam is nearly invariant to a constant gradient scale).
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=RTOL)
+        assert a["loss"] == pytest.approx(b["loss"], rel=RTOL)
+        assert a["samples_seen"] == b["samples_seen"] and a["tokens_seen"] == b["tokens_seen"]
+    assert relative_error(final_weights(out), final_weights(reference)) <= RTOL
+
+
+@pytest.mark.parametrize("micro, accumulation", [(4, 2), (2, 4)])
+def test_accumulation_matches_the_full_batch(tmp_path, tiny_model_dir, data_files, full_batch_run, micro, accumulation):
+    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation))
+    assert_same_run(tmp_path, full_batch_run)
+
+
+def test_effective_batch_size_derives_the_accumulation(tmp_path, tiny_model_dir, data_files, full_batch_run):
+    results = run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8))
+    assert results["gradient_accumulation_steps"] == 4 and results["effective_batch_size"] == 8
+    assert_same_run(tmp_path, full_batch_run)
+
+
+@pytest.mark.launch
+def test_accumulation_through_accelerate_launch(tmp_path, tiny_model_dir, data_files, full_batch_run):
+    result = launch("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8))
+    assert "2 micro × 4 accumulation × 1 process = 8 samples per update" in result.stdout
+    assert_same_run(tmp_path, full_batch_run)
+
+
+@pytest.mark.launch
+def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_model_dir, data_files, full_batch_run):
+    result = launch("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8), num_processes=2)
+    results = json.loads((tmp_path / "all_results.json").read_text())
+    assert results["num_processes"] == 2, "accelerate launch started one process, not two"
+    assert results["gradient_accumulation_steps"] == 2
+    assert "2 micro × 2 accumulation × 2 processes = 8 samples per update" in result.stdout
+    assert_same_run(tmp_path, full_batch_run)
+    assert_schedule_ends_at_the_last_update(tmp_path)
+
+
+def assert_schedule_ends_at_the_last_update(out):
+    """Linear decay to 0 over the run: the LR after the last update is 0, and only then."""
+    lrs = [m["lr"] for m in read_metrics(out)]
+    assert lrs[-1] == 0.0
+    assert all(lr > 0 for lr in lrs[:-1]), lrs
+
+
+def test_schedule_ends_at_the_last_update_one_process(full_batch_run):
+    assert len(read_metrics(full_batch_run)) == 6
+    assert_schedule_ends_at_the_last_update(full_batch_run)
+
+
+def test_short_last_window_equals_a_full_batch_update_on_the_leftover(tmp_path, tiny_model_dir, data_files):
+    """20 samples in windows of 16: the second update sees 4 leftovers as one micro-batch of a
+    window of 4. SGD makes the update linear in the gradient, so a short window divided by N
+    (what Accelerate does on its own) would be 4× too small here."""
+    train = write_jsonl(tmp_path / "train20.jsonl", make_rows(20, seed=3))
+    data = {**data_files, "train": train}
+    common = {"optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}
+    run_in_process("text_classification", tiny_args(tiny_model_dir, data, tmp_path / "full", per_device_train_batch_size=16, gradient_accumulation_steps=1, **common))
+    run_in_process("text_classification", tiny_args(tiny_model_dir, data, tmp_path / "accum", per_device_train_batch_size=4, gradient_accumulation_steps=4, **common))
+    assert [m["samples_seen"] for m in read_metrics(tmp_path / "accum")] == [16, 20]
+    assert_same_run(tmp_path / "accum", tmp_path / "full")
+
+
+def test_short_window_equals_a_plain_pytorch_full_batch_step(tmp_path, tiny_model_dir, data_files):
+    """12 samples with micro 4 × accumulation 4: the only window holds 3 of its 4 micro-batches.
+    The reference is independent of the recipe: one plain-PyTorch SGD step on the mean loss of all
+    12 samples (a sum, so the sample order does not matter). Without the window correction the
+    recipe's step is 3/4 of it."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rows = make_rows(12, seed=5)
+    data = {**data_files, "train": write_jsonl(tmp_path / "train12.jsonl", rows)}
+    run_in_process("text_classification", tiny_args(tiny_model_dir, data, tmp_path / "accum", per_device_train_batch_size=4,
+                                                    gradient_accumulation_steps=4, optim="sgd", learning_rate=0.5, max_grad_norm=0))
+    assert [m["samples_seen"] for m in read_metrics(tmp_path / "accum")] == [12]
+
+    label_ids = {name: i for i, name in enumerate(sorted({r["label"] for r in rows}))}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    batch = tokenizer([r["text"] for r in rows], padding=True, truncation=True, max_length=48, return_tensors="pt")
+    loss = model(**batch, labels=torch.tensor([label_ids[r["label"]] for r in rows])).loss
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.5 * p.grad  # SGD's first step: the momentum buffer is the gradient itself
+    expected = {k: v.contiguous() for k, v in model.state_dict().items()}
+    ours = final_weights(tmp_path / "accum")
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    # Compare the updates w − w0, not the weights: a wrong scale of the step is then an O(1) error
+    # (0.25 without the correction) instead of being diluted by the weights' own size.
+    ours_step = {k: ours[k] - initial[k] for k in ours}
+    expected_step = {k: expected[k] - initial[k] for k in ours}
+    assert relative_error(ours_step, expected_step) <= UPDATE_RTOL
+
+
+def test_outputs_load_with_from_pretrained_and_pipeline(full_batch_run):
+    from transformers import AutoModelForSequenceClassification, pipeline
+
+    final = full_batch_run / "final"
+    model = AutoModelForSequenceClassification.from_pretrained(final)
+    assert set(model.config.id2label.values()) == {"money", "sport", "tech"}
+    prediction = pipeline("text-classification", model=str(final))("the team scored a late goal")
+    assert prediction[0]["label"] in {"money", "sport", "tech"}
+
+    records = read_metrics(full_batch_run)
+    assert set(records[0]) == {"step", "epoch", "loss", "lr", "grad_norm", "samples_seen", "tokens_seen"}
+    assert [m["samples_seen"] for m in records] == [8, 16, 24, 32, 40, 48]
+    results = json.loads((full_batch_run / "all_results.json").read_text())
+    for key in ("eval_accuracy", "eval_macro_f1", "train_runtime", "train_samples_per_second", "effective_batch_size", "learning_rate"):
+        assert key in results
+
+
+def test_sample_order_does_not_depend_on_the_split(tmp_path, tiny_model_dir, data_files):
+    """Per-update token counts identify which samples an update saw; they must agree across splits."""
+    runs = {}
+    for micro, accumulation in [(8, 1), (1, 8)]:
+        out = tmp_path / f"{micro}x{accumulation}"
+        run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation, num_train_epochs=2, max_train_steps=None))
+        runs[micro] = [m["tokens_seen"] for m in read_metrics(out)]
+    assert runs[8] == runs[1]
+    increments = [b - a for a, b in zip([0] + runs[8], runs[8])]
+    assert len(set(increments)) > 1, "token counts are all equal: the check would not see a reordering"
+
+
+@pytest.mark.launch
+def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, data_files):
+    train = write_jsonl(tmp_path / "train.jsonl", make_rows(96, seed=4))
+    data = {**data_files, "train": train}
+    common = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "num_train_epochs": 2, "checkpointing_steps": 1}
+    run_in_process("text_classification", tiny_args(tiny_model_dir, data, tmp_path / "whole", **common))
+
+    interrupted = tmp_path / "interrupted"
+    cmd, env = launch_command("text_classification", tiny_args(tiny_model_dir, data, interrupted, **common))
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not (interrupted / "checkpoints" / "step_000005").exists():
+        assert process.poll() is None and time.time() < deadline, "the run ended before it could be interrupted"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (interrupted / "final").exists(), "the run finished before the kill: nothing was resumed"
+
+    run_in_process("text_classification", tiny_args(tiny_model_dir, data, interrupted, resume_from_checkpoint="latest", **common))
+    steps = [m["step"] for m in read_metrics(interrupted)]
+    assert steps == list(range(1, 49))
+    assert_same_run(interrupted, tmp_path / "whole")
