@@ -25,6 +25,10 @@ def load_local_files(train_file: str, validation_file: str | None = None) -> dat
     if suffix not in _BUILDERS:
         raise ConfigError(f"--train_file {train_file}: unsupported extension {suffix!r}; use one of {', '.join(_BUILDERS)}")
     builder, kwargs = _BUILDERS[suffix]
+    header_lines = 1 if builder == "csv" else 0
+    for split, file in files.items():
+        if _count_nonblank_lines(file, stop_after=header_lines + 1) <= header_lines:
+            raise ConfigError(f"--{split}_file {file} is empty (no data rows); give a file with at least one row")
     try:
         return datasets.load_dataset(builder, data_files=files, **kwargs)
     except Exception as exc:  # the builders raise many types, all with long tracebacks
@@ -65,3 +69,13 @@ def check_columns(raw: datasets.DatasetDict, **columns: str) -> None:
                     f"--{flag} {column!r} is not a column of the {split} split; its columns are "
                     f"{', '.join(ds.column_names)} (pass --{flag} with one of them)"
                 )
+
+
+def _count_nonblank_lines(path: str, stop_after: int) -> int:
+    count = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            count += bool(line.strip())
+            if count >= stop_after:
+                break
+    return count

@@ -172,17 +172,15 @@ def evaluate_model(model, eval_dataloader, accelerator):
 
 def train(cfg):
     report_to = cfg.report_to if cfg.report_to != "auto" else ("tensorboard" if _has_tensorboard() else "none")
-    try:
-        accelerator = Accelerator(
-            log_with=None if report_to == "none" else report_to,
-            project_dir=cfg.output_dir,
-            # A seeded sampler makes the sample order depend on the seed and epoch only, not on the split.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
-        )
-    except ValueError as exc:
-        if "fp16" in str(exc):
-            raise ConfigError("fp16 needs a CUDA GPU and this machine has none; launch with --mixed_precision no (or bf16), e.g. --config_file accelerate_configs/cpu.yaml") from exc
-        raise
+    accelerator = Accelerator(
+        log_with=None if report_to == "none" else report_to,
+        project_dir=cfg.output_dir,
+        # A seeded sampler makes the sample order depend on the seed and epoch only, not on the split.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
+    )
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        # Accelerate 1.15 accepts this and silently trains in fp32 while reporting fp16.
+        raise ConfigError("fp16 needs a CUDA GPU and this machine has none; launch with --mixed_precision no (or bf16), e.g. --config_file accelerate_configs/cpu.yaml")
     # The accumulation follows from the process count, which only the Accelerator knows for sure
     # (a bare PartialState() ignores ACCELERATE_USE_CPU and would report one process under DDP on CPU).
     num_processes = accelerator.num_processes

@@ -1,0 +1,68 @@
+"""Every shipped YAML parses, and every recipe's docstring launch command runs as written."""
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+from conftest import ROOT, load_recipe
+
+from ft_accum.arguments import read_yaml_config
+
+ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
+EXPECTED = {"cpu", "single_gpu_fp16", "single_gpu_bf16", "multi_gpu_ddp", "multi_node_ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3_offload"}
+
+
+def test_every_documented_accelerate_config_is_shipped():
+    assert {p.stem for p in ACCELERATE_CONFIGS} >= EXPECTED
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
+def test_accelerate_config_loads_with_accelerate(path):
+    config = load_config_from_file(str(path))
+    assert config.num_processes >= 1
+    comment = path.read_text().splitlines()[0]
+    assert comment.startswith("#"), "each config starts with a comment saying when to use it"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_config_matches_its_dataclass(recipe):
+    module = load_recipe(recipe)
+    values = read_yaml_config(ROOT / "recipes" / "configs" / f"{recipe}.yaml", module.TrainConfig)
+    config = module.TrainConfig(**values)
+    # learning_rate and base_batch_size travel as a pair, so scaling has a reference point.
+    assert "learning_rate" in values and "base_batch_size" in values and config.base_batch_size
+
+
+def docstring_command(recipe: str) -> list[str]:
+    first_line = (ROOT / "recipes" / f"{recipe}.py").read_text().split('"""')[1].strip().splitlines()[0]
+    assert first_line.startswith("accelerate launch "), first_line
+    return shlex.split(first_line)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_docstring_command_runs(recipe, tmp_path):
+    """The exact first line of the docstring, capped to a few samples so it runs in seconds."""
+    cmd = docstring_command(recipe)
+    caps = ["--max_train_samples", "16", "--max_eval_samples", "8", "--num_train_epochs", "1",
+            "--output_dir", str(tmp_path), "--report_to", "none", "--checkpointing_steps", "1"]
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
+    result = subprocess.run([*accelerate, *cmd[2:], *caps], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "samples per update" in result.stdout  # the banner
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "all_results.json").is_file()
+    assert (tmp_path / "checkpoints" / "step_000001" / "training_state.json").is_file()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_help_lists_the_flags(recipe):
+    result = subprocess.run([sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    assert "accelerate launch" in result.stdout  # the docstring, launch command first
+    for flag in ("--per_device_train_batch_size", "--effective_batch_size", "--base_batch_size", "--resume_from_checkpoint"):
+        assert flag in result.stdout
