@@ -42,6 +42,7 @@ from ft_accum.arguments import parse_config
 from ft_accum.banner import format_banner
 from ft_accum.data_sources import check_columns, load_hub_dataset, load_local_files, with_validation_split
 from ft_accum.errors import ConfigError
+from ft_accum.memory import peak_memory_gb
 from ft_accum.loss_normalization import scale_gradients_, window_gradient_scale
 from ft_accum.lr_scaling import POLICIES, describe_lr_scaling, scale_learning_rate
 from ft_accum.lr_schedule import build_lr_scheduler
@@ -300,7 +301,7 @@ def train(cfg):
     results = {**eval_metrics, "train_runtime": train_seconds, "train_samples_per_second": state["samples_seen"] / train_seconds,
                "num_update_steps": state["step"], "effective_batch_size": effective, "per_device_train_batch_size": cfg.per_device_train_batch_size,
                "gradient_accumulation_steps": accumulation, "num_processes": num_processes, "learning_rate": learning_rate,
-               "mixed_precision": accelerator.mixed_precision}
+               "mixed_precision": accelerator.mixed_precision, "peak_memory_gb": peak_memory_gb(accelerator.device)}
     if accelerator.is_main_process:
         (output_dir / "all_results.json").write_text(json.dumps(results, indent=2))
     accelerator.end_training()

@@ -192,3 +192,9 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_d
     steps = [m["step"] for m in read_metrics(interrupted)]
     assert steps == list(range(1, 49))
     assert_same_run(interrupted, tmp_path / "whole")
+
+
+def test_tensorboard_logs_when_asked(tmp_path, tiny_model_dir, data_files):
+    pytest.importorskip("tensorboard")
+    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, report_to="tensorboard", max_train_steps=2))
+    assert list(tmp_path.rglob("events.out.tfevents.*")), "no TensorBoard event file written"
