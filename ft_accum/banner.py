@@ -16,6 +16,7 @@ def format_banner(
     updates_per_epoch: int,
     mean_tokens_per_sample: float | None = None,
     extra: dict[str, str] | None = None,
+    unit: str = "samples",
 ) -> str:
     """A few aligned lines, e.g.
 
@@ -27,7 +28,7 @@ def format_banner(
     rows = {
         "batch": (
             f"{per_device_train_batch_size} micro × {gradient_accumulation_steps} accumulation × "
-            f"{num_processes} process{'es' if num_processes != 1 else ''} = {effective} samples per update"
+            f"{num_processes} process{'es' if num_processes != 1 else ''} = {effective} {unit} per update"
         ),
         "learning rate": lr_line,
         "precision": mixed_precision if mixed_precision != "no" else "fp32",
@@ -35,7 +36,7 @@ def format_banner(
         "updates": f"{num_update_steps} optimizer updates ({updates_per_epoch} per epoch, {num_train_epochs} epoch{'s' if num_train_epochs != 1 else ''})",
     }
     if mean_tokens_per_sample is not None:
-        rows["tokens per update"] = f"≈{effective * mean_tokens_per_sample:,.0f} ({mean_tokens_per_sample:.0f} non-pad tokens per sample on average)"
+        rows["tokens per update"] = f"≈{effective * mean_tokens_per_sample:,.0f} ({mean_tokens_per_sample:.0f} non-pad tokens per {unit.rstrip('s')} on average)"
     rows.update(extra or {})
     width = max(len(k) for k in rows)
     lines = [f"  {k.ljust(width)}  {v}" for k, v in rows.items()]

