@@ -69,9 +69,11 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
     `loss_type` (measured in issue 3). Computed from the logits, so it is the same for every causal
     LM, whether or not its forward accepts `num_items_in_batch`; fp32 for a stable log-softmax.
     """
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:]
+    # Shift the labels left (padding the end with ignore_index) instead of slicing the logits: a
+    # slice of the (batch × length × vocab) logits would be copied, and its gradient allocated at
+    # full size again in backward. transformers' ForCausalLMLoss does the same.
+    shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[:, 1:]
     loss_sum = torch.nn.functional.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
+        logits.float().reshape(-1, logits.size(-1)), shift_labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
     )
     return loss_sum, (shift_labels != ignore_index).sum()

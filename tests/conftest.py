@@ -55,7 +55,11 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer, 32-wide BERT classifier with dropout 0, saved like a hub checkpoint."""
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        BertTokenizerFast,
+    )
 
     path = tmp_path_factory.mktemp("tiny-bert")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted({w for ws in TOPICS.values() for w in ws} | set(COMMON))
@@ -223,3 +227,30 @@ def tiny_lm_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **ove
     }
     settings.update(overrides)
     return [f"--{k}={v}" for k, v in settings.items() if v is not None]
+
+
+# fp32, dropout 0, the same samples per update: runs differ only in summation order (~1e-7 relative
+# per operation); 1e-5 leaves room for a few AdamW steps, while a wrong weighting is ≥ 1e-2.
+RTOL = 1e-5
+
+
+def assert_same_run(out: Path, reference: Path) -> None:
+    """Same updates as the reference run: per-update loss, gradient norm and counts, and final weights."""
+    ours, theirs = read_metrics(out), read_metrics(reference)
+    assert [m["step"] for m in ours] == [m["step"] for m in theirs]
+    for a, b in zip(ours, theirs):
+        # grad_norm is measured before clipping: it catches any wrong scale of the gradient, which
+        # AdamW's updates alone would hide (Adam is nearly invariant to a constant gradient scale).
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=RTOL)
+        assert a["loss"] == pytest.approx(b["loss"], rel=RTOL)
+        assert a["samples_seen"] == b["samples_seen"] and a["tokens_seen"] == b["tokens_seen"]
+    assert relative_error(final_weights(out), final_weights(reference)) <= RTOL
+
+
+def error_of(recipe: str, args: list[str]) -> str:
+    """The recipe's one-line error message for bad input (it must not be a traceback)."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(recipe, args)
+    message = str(exit_info.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message

