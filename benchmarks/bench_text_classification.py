@@ -9,21 +9,23 @@ work in one run: all-MiniLM-L6-v2 on BBC News, max_seq_length 128, micro-batch 8
 - recipe:  the recipe, through the real `accelerate launch`.
 
 Each variant runs in its own process (so peak RSS is its own), the variants are interleaved, and
-the report gives the median samples/s of the repeats and the ratio to the plain loop. Timing
-covers the training loop only (first batch to last update), not model loading or evaluation.
+each run's throughput is its median per-update samples/s, warm-up update excluded (see
+benchmarks/timing.py). The report gives the median over repeats and the median of the per-repeat
+ratios to the plain loop. Model loading and evaluation are not timed.
 Results go to benchmarks/results/text_classification.json and a Markdown table on stdout.
 """
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from timing import UpdateClock, steady_rate, summarize, trainer_callback  # noqa: E402
+
 MICRO, ACCUMULATION, SEQ_LEN, LR, SEED = 8, 4, 128, 1e-4, 42
 
 
@@ -54,7 +56,7 @@ def run_plain(updates):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
     model.train()
-    start = time.perf_counter()
+    clock = UpdateClock()
     for i, batch in enumerate(loader):
         loss = model(**batch).loss / ACCUMULATION
         loss.backward()
@@ -63,33 +65,26 @@ def run_plain(updates):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-    seconds = time.perf_counter() - start
-    return {"samples_per_second": len(train) / seconds, "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
+            clock.tick()
+    return {"samples_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION)), "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
 
 
 def run_trainer(updates):
     import torch
-    from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
+    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
 
     from ft_accum.memory import peak_memory_gb
 
     torch.manual_seed(SEED)
     model, tokenizer, train = load_inputs(updates * MICRO * ACCUMULATION)
 
-    class LoopTimer(TrainerCallback):  # the same span as the other variants: first batch to last update
-        def on_train_begin(self, *args, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_train_end(self, *args, **kwargs):
-            self.seconds = time.perf_counter() - self.start
-
-    timer = LoopTimer()
+    clock = UpdateClock()
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATION, max_steps=updates,
                                  learning_rate=LR, lr_scheduler_type="linear", max_grad_norm=1.0, weight_decay=0.0, report_to="none",
                                  save_strategy="no", logging_strategy="no", use_cpu=True, seed=SEED, disable_tqdm=True)
-        Trainer(model=model, args=args, train_dataset=train, data_collator=DataCollatorWithPadding(tokenizer), callbacks=[timer]).train()
-    return {"samples_per_second": len(train) / timer.seconds, "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
+        Trainer(model=model, args=args, train_dataset=train, data_collator=DataCollatorWithPadding(tokenizer), callbacks=[trainer_callback(clock)]).train()
+    return {"samples_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION)), "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
 
 
 def run_recipe(updates):
@@ -101,7 +96,8 @@ def run_recipe(updates):
                "--num_train_epochs", "1", "--seed", str(SEED), "--output_dir", out, "--report_to", "none"]
         subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
         results = json.loads((Path(out) / "all_results.json").read_text())
-    return {"samples_per_second": results["train_samples_per_second"], "peak_memory_gb": results["peak_memory_gb"]}
+        rates = [json.loads(line)["samples_per_second"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return {"samples_per_second": steady_rate(rates), "peak_memory_gb": results["peak_memory_gb"]}
 
 
 VARIANTS = {"plain": run_plain, "trainer": run_trainer, "recipe": run_recipe}
@@ -128,21 +124,23 @@ def main():
             runs[name].append(result)
             print(f"repeat {repeat + 1}/{args.repeats} {name}: {result['samples_per_second']:.2f} samples/s, peak {result['peak_memory_gb']:.2f} GiB", file=sys.stderr)
 
-    median = {name: statistics.median(r["samples_per_second"] for r in rs) for name, rs in runs.items()}
+    stats = summarize(runs, "samples_per_second")
     summary = {
         "setup": {"model": "all-MiniLM-L6-v2", "data": "BBC News", "micro_batch": MICRO, "gradient_accumulation_steps": ACCUMULATION,
                   "max_seq_length": SEQ_LEN, "updates": args.updates, "repeats": args.repeats, "precision": "fp32", "device": "cpu"},
         "runs": runs,
-        "median_samples_per_second": median,
-        "ratio_to_plain": {name: median[name] / median["plain"] for name in VARIANTS},
+        "median_samples_per_second": stats["median"],
+        "ratio_to_plain": stats["ratio_to_plain"],
+        "per_repeat_ratios": stats["per_repeat_ratios"],
         "peak_memory_gb": {name: max(r["peak_memory_gb"] for r in rs) for name, rs in runs.items()},
     }
     out = ROOT / "benchmarks" / "results"
     out.mkdir(exist_ok=True)
     (out / "text_classification.json").write_text(json.dumps(summary, indent=2))
-    print("| variant | median samples/s | ratio to plain loop | peak RSS (GiB) |\n|---|---|---|---|")
+    print("| variant | median samples/s | ratio to plain loop (median of repeats) | per-repeat ratios | peak RSS (GiB) |\n|---|---|---|---|---|")
     for name in VARIANTS:
-        print(f"| {name} | {median[name]:.2f} | {summary['ratio_to_plain'][name]:.3f} | {summary['peak_memory_gb'][name]:.2f} |")
+        ratios = ", ".join(f"{r:.3f}" for r in stats["per_repeat_ratios"][name])
+        print(f"| {name} | {stats['median'][name]:.2f} | {stats['ratio_to_plain'][name]:.3f} | {ratios} | {summary['peak_memory_gb'][name]:.2f} |")
 
 
 if __name__ == "__main__":

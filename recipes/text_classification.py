@@ -237,6 +237,7 @@ def train(cfg):
     progress = tqdm(total=num_update_steps, initial=state["step"], desc="updates", disable=not accelerator.is_local_main_process)
     model.train()
     eval_metrics, started = {}, time.perf_counter() - state["train_seconds"]
+    window_started = time.perf_counter()
     for epoch in range(state["step"] // updates_per_epoch, num_epochs):
         train_dataloader.set_epoch(epoch)
         batches = train_dataloader
@@ -271,22 +272,27 @@ def train(cfg):
                 state["step"] += 1
                 state["samples_seen"] += int(samples)
                 state["tokens_seen"] += int(tokens)
+                now = time.perf_counter()
                 record = {"step": state["step"], "epoch": state["step"] / updates_per_epoch, "loss": loss, "lr": lr_scheduler.get_last_lr()[0],
-                          "grad_norm": float(grad_norm), "samples_seen": state["samples_seen"], "tokens_seen": state["tokens_seen"]}
+                          "grad_norm": float(grad_norm), "samples_seen": state["samples_seen"], "tokens_seen": state["tokens_seen"],
+                          "samples_per_second": samples / (now - window_started)}
+                window_started = now
                 if accelerator.is_main_process:
                     append_metrics(output_dir, record)
                 accelerator.log(record, step=state["step"])
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
                 if cfg.checkpointing_steps and state["step"] % cfg.checkpointing_steps == 0:
-                    state["train_seconds"] = time.perf_counter() - started
+                    state["train_seconds"] = now - started
                     checkpointing.save_checkpoint(accelerator, output_dir, state["step"], {k: v for k, v in state.items() if k != "step"})
+                    window_started = time.perf_counter()
                 if state["step"] >= num_update_steps:
                     break
 
         eval_start = time.perf_counter()
         eval_metrics = evaluate_model(model, eval_dataloader, accelerator)
         started += time.perf_counter() - eval_start  # the throughput figure covers training only
+        window_started = time.perf_counter()
         accelerator.print(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
         accelerator.log(eval_metrics, step=state["step"])
         if state["step"] >= num_update_steps:

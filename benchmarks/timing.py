@@ -1,0 +1,53 @@
+"""Throughput from per-update timings, shared by the benchmarks.
+
+A whole-run average on a shared 2-core VM moves by ±10% between runs (steal time, background
+load), more than the differences we want to see. Each run therefore records the wall time of
+every optimizer update, and its throughput is the median over updates with the first (warm-up)
+left out; the report gives the median over repeats and the median of the per-repeat ratios
+(variants run back to back within a repeat, so a ratio compares like with like).
+"""
+
+import statistics
+import time
+
+
+class UpdateClock:
+    """Call `tick()` after each optimizer update; `rates(n)` gives n / seconds for each update."""
+
+    def __init__(self):
+        self.stamps = [time.perf_counter()]
+
+    def restart(self):
+        self.stamps = [time.perf_counter()]
+
+    def tick(self):
+        self.stamps.append(time.perf_counter())
+
+    def rates(self, items_per_update: float) -> list[float]:
+        return [items_per_update / (b - a) for a, b in zip(self.stamps, self.stamps[1:])]
+
+
+def steady_rate(rates: list[float]) -> float:
+    """Median per-update rate, the first update (warm-up: allocations, first-call overheads) left out."""
+    return statistics.median(rates[1:] if len(rates) > 1 else rates)
+
+
+def trainer_callback(clock: UpdateClock):
+    """A TrainerCallback that ticks `clock` at every optimizer update of the Trainer."""
+    from transformers import TrainerCallback
+
+    class Ticks(TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):
+            clock.restart()
+
+        def on_step_end(self, *args, **kwargs):
+            clock.tick()
+
+    return Ticks()
+
+
+def summarize(runs: dict[str, list[dict]], key: str, baseline: str = "plain") -> dict:
+    """Median rate per variant over repeats, and the median of per-repeat ratios to the baseline."""
+    median = {name: statistics.median(r[key] for r in rs) for name, rs in runs.items()}
+    ratios = {name: [a[key] / b[key] for a, b in zip(rs, runs[baseline])] for name, rs in runs.items()}
+    return {"median": median, "ratio_to_plain": {n: statistics.median(r) for n, r in ratios.items()}, "per_repeat_ratios": ratios}
