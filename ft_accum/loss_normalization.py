@@ -28,9 +28,12 @@ and the step at which to rescale; under DeepSpeed only full windows are exact.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
+
+from ft_accum.errors import ConfigError
 
 
 def window_gradient_scale(
@@ -77,3 +80,12 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
         logits.float().reshape(-1, logits.size(-1)), shift_labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
     )
     return loss_sum, (shift_labels != ignore_index).sum()
+
+
+def check_finite_loss(loss: float, update: int) -> None:
+    """A NaN or infinite window loss stops the run with the likely fixes, before it is checkpointed."""
+    if not math.isfinite(loss):
+        raise ConfigError(
+            f"the training loss became {loss} at update {update}; lower --learning_rate, "
+            "keep --max_grad_norm > 0, or use bf16 instead of fp16"
+        )

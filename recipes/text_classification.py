@@ -42,7 +42,7 @@ from ft_accum.banner import format_banner
 from ft_accum.data_sources import check_columns, load_hub_dataset, load_local_files, with_validation_split
 from ft_accum.errors import ConfigError
 from ft_accum.memory import peak_memory_gb
-from ft_accum.loss_normalization import scale_gradients_, window_gradient_scale
+from ft_accum.loss_normalization import check_finite_loss, scale_gradients_, window_gradient_scale
 from ft_accum.lr_scaling import POLICIES, describe_lr_scaling, scale_learning_rate
 from ft_accum.lr_schedule import build_lr_scheduler
 from ft_accum.metrics import load_metric
@@ -225,10 +225,7 @@ def train(cfg):
     output_dir = Path(cfg.output_dir)
     state = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "train_seconds": 0.0}
     if cfg.resume_from_checkpoint:
-        checkpoint = checkpointing.resolve_resume_checkpoint(cfg.resume_from_checkpoint, output_dir)
-        accelerator.load_state(str(checkpoint))
-        state = checkpointing.load_training_state(checkpoint)
-        accelerator.print(f"Resumed from {checkpoint} at update {state['step']}")
+        state = checkpointing.resume_training_state(accelerator, cfg.resume_from_checkpoint, output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         # Drop lines logged after the checkpoint we resume from: those updates run again.
@@ -240,9 +237,8 @@ def train(cfg):
     window_started = time.perf_counter()
     for epoch in range(state["step"] // updates_per_epoch, num_epochs):
         train_dataloader.set_epoch(epoch)
-        batches = train_dataloader
-        if epoch == state["step"] // updates_per_epoch and state["step"] % updates_per_epoch:
-            batches = accelerator.skip_first_batches(train_dataloader, (state["step"] % updates_per_epoch) * accumulation)
+        seen = checkpointing.batches_to_skip(state["step"], epoch, updates_per_epoch, accumulation)
+        batches = accelerator.skip_first_batches(train_dataloader, seen) if seen else train_dataloader
         window = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # summed loss, samples, non-pad tokens
         for batch in batches:
             with accelerator.accumulate(model):
@@ -267,8 +263,7 @@ def train(cfg):
             if accelerator.sync_gradients:
                 window.zero_()
                 loss = loss_total / samples
-                if not math.isfinite(loss):
-                    raise ConfigError(f"the training loss became {loss} at update {state['step'] + 1}; lower --learning_rate, keep --max_grad_norm > 0, or use bf16 instead of fp16")
+                check_finite_loss(loss, state["step"] + 1)
                 state["step"] += 1
                 state["samples_seen"] += int(samples)
                 state["tokens_seen"] += int(tokens)
