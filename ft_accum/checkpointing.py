@@ -2,7 +2,10 @@
 
 Layout: `output_dir/checkpoints/step_000120/` holds what `accelerator.save_state` writes (model,
 optimizer, scheduler, sampler and RNG states of every process) plus `training_state.json` (the
-update counter and the running totals), which is written last and marks the checkpoint complete.
+update counter, the running totals, and a manifest of every file's size and sha256), which is
+written last and marks the checkpoint complete. A checkpoint whose files do not match its manifest
+(truncated by a full disk, corrupted later) is skipped by `latest` with a warning, never loaded.
+Checkpoints are only taken at sync steps, so a resumed run never starts inside a window.
 
 Each checkpoint is written to `checkpoints/.tmp-step_000120/` and renamed into place once every
 process has finished writing. A rename within one filesystem is atomic (POSIX rename(2)), so a
@@ -16,10 +19,12 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 from ft_accum.errors import ConfigError
+from ft_accum.integrity import sha256_of
 
 STATE_FILE = "training_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -30,8 +35,14 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, state: dict[str, Any]) -> Path:
-    """Save `accelerator.save_state` plus `state` atomically; call it on every process at a sync step."""
+def save_checkpoint(
+    accelerator, output_dir: str | os.PathLike, step: int, state: dict[str, Any], save_total_limit: int | None = None
+) -> Path:
+    """Save `accelerator.save_state` plus `state` atomically; call it on every process at a sync step.
+
+    With `save_total_limit`, older complete checkpoints beyond the newest K are deleted, only after
+    the new one is complete.
+    """
     root = Path(output_dir) / "checkpoints"
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}"
@@ -42,7 +53,7 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, state
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        _write_json_durably(tmp / STATE_FILE, {"step": step, **state})
+        _write_json_durably(tmp / STATE_FILE, {"step": step, **state, "manifest": _manifest(tmp)})
         if final.exists():
             # A re-run reached the same step: swap the old one out first, since rename(2)
             # cannot replace a non-empty directory.
@@ -51,6 +62,9 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, state
             shutil.rmtree(stale)
         os.replace(tmp, final)
         _fsync_dir(root)
+        if save_total_limit:
+            for old in list_checkpoints(output_dir)[:-save_total_limit]:
+                shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
 
@@ -62,16 +76,37 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 
 
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints (those holding training_state.json), oldest first."""
+    """Complete checkpoints, oldest first: marked by training_state.json, every file its manifest's size."""
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
-    ]
-    return [p for _, p in sorted(found)]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    complete = []
+    for _, path in sorted(found):
+        if problem := checkpoint_problem(path, verify_hashes=False):
+            warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
+        else:
+            complete.append(path)
+    return complete
+
+
+def checkpoint_problem(checkpoint: Path, verify_hashes: bool = True) -> str | None:
+    """Why `checkpoint` must not be loaded (missing, truncated or altered file), or None if it is sound."""
+    try:
+        manifest = load_training_state(checkpoint).get("manifest")
+    except (OSError, ValueError) as exc:
+        return f"unreadable {STATE_FILE}: {exc}"
+    if manifest is None:
+        return None  # written before manifests existed: nothing to check against
+    for name, expected in manifest.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{name} has {path.stat().st_size} bytes, not {expected['size']}"
+        if verify_hashes and sha256_of(path) != expected["sha256"]:
+            return f"{name} does not match its sha256"
+    return None
 
 
 def resolve_resume_checkpoint(resume_from_checkpoint: str, output_dir: str | os.PathLike) -> Path:
@@ -79,12 +114,15 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str, output_dir: str | os.
     available = list_checkpoints(output_dir)
     listing = ", ".join(str(p) for p in available) or f"none under {Path(output_dir) / 'checkpoints'}"
     if resume_from_checkpoint == "latest":
-        if not available:
-            raise ConfigError(
-                f"--resume_from_checkpoint latest: no complete checkpoint under "
-                f"{Path(output_dir) / 'checkpoints'}; check --output_dir, or start without resuming"
-            )
-        return available[-1]
+        for candidate in reversed(available):
+            problem = checkpoint_problem(candidate)
+            if problem is None:
+                return candidate
+            warnings.warn(f"skipping checkpoint {candidate}: {problem}; trying the one before it", stacklevel=2)
+        raise ConfigError(
+            f"--resume_from_checkpoint latest: no complete checkpoint under "
+            f"{Path(output_dir) / 'checkpoints'}; check --output_dir, or start without resuming"
+        )
     path = Path(resume_from_checkpoint)
     if not path.is_dir():
         raise ConfigError(
@@ -96,6 +134,8 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str, output_dir: str | os.
             f"--resume_from_checkpoint {resume_from_checkpoint} is not a complete checkpoint "
             f"(no {STATE_FILE}); pass one of: {listing}, or 'latest'"
         )
+    if problem := checkpoint_problem(path):
+        raise ConfigError(f"--resume_from_checkpoint {resume_from_checkpoint} is damaged ({problem}); pass one of: {listing}, or 'latest'")
     return path
 
 
@@ -123,6 +163,14 @@ def batches_to_skip(completed_updates: int, epoch: int, updates_per_epoch: int, 
 def load_training_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """The `training_state.json` saved beside the accelerator state."""
     return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+
+
+def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    return {
+        str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256_of(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != STATE_FILE
+    }
 
 
 def _write_json_durably(path: Path, payload: dict[str, Any]) -> None:

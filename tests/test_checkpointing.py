@@ -30,7 +30,7 @@ def test_save_writes_a_complete_checkpoint_and_latest_finds_it(tmp_path, acceler
     assert checkpointing.latest_checkpoint(tmp_path).name == "step_000012"
     assert [p.name for p in checkpointing.list_checkpoints(tmp_path)] == ["step_000003", "step_000007", "step_000012"]
     state = checkpointing.load_training_state(tmp_path / "checkpoints" / "step_000012")
-    assert state == {"step": 12, "samples_seen": 96}
+    assert {k: v for k, v in state.items() if k != "manifest"} == {"step": 12, "samples_seen": 96}
     assert (tmp_path / "checkpoints" / "step_000012" / "model.safetensors").is_file()
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
@@ -82,3 +82,34 @@ def test_names_sort_in_step_order():
 ])
 def test_batches_to_skip_on_resume(completed, epoch, expected):
     assert checkpointing.batches_to_skip(completed, epoch, updates_per_epoch=5, gradient_accumulation_steps=4) == expected
+
+
+def test_manifest_records_every_file(tmp_path, accelerator):
+    prepared(accelerator)
+    path = checkpointing.save_checkpoint(accelerator, tmp_path, 1, {})
+    manifest = checkpointing.load_training_state(path)["manifest"]
+    assert "model.safetensors" in manifest and "optimizer.bin" in manifest
+    assert manifest["model.safetensors"]["size"] == (path / "model.safetensors").stat().st_size
+    assert checkpointing.checkpoint_problem(path) is None
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_latest_skips_a_damaged_newest_checkpoint(tmp_path, accelerator, damage):
+    prepared(accelerator)
+    for step in (1, 2):
+        checkpointing.save_checkpoint(accelerator, tmp_path, step, {})
+    weights = tmp_path / "checkpoints" / "step_000002" / "model.safetensors"
+    data = weights.read_bytes()
+    # A truncated file (disk full) and one with a flipped byte (bit rot) of the same size.
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.warns(UserWarning, match="skipping checkpoint .*step_000002"):
+        assert checkpointing.resolve_resume_checkpoint("latest", tmp_path).name == "step_000001"
+    with pytest.raises(ConfigError, match="is damaged"):
+        checkpointing.resolve_resume_checkpoint(str(tmp_path / "checkpoints" / "step_000002"), tmp_path)
+
+
+def test_save_total_limit_keeps_the_newest(tmp_path, accelerator):
+    prepared(accelerator)
+    for step in range(1, 6):
+        checkpointing.save_checkpoint(accelerator, tmp_path, step, {}, save_total_limit=2)
+    assert [p.name for p in checkpointing.list_checkpoints(tmp_path)] == ["step_000004", "step_000005"]
