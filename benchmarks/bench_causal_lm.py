@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from timing import UpdateClock, steady_rate, summarize, trainer_callback  # noqa: E402
+from timing import UpdateClock, plain_accumulation_loop, steady_rate, summarize, trainer_callback  # noqa: E402
 
 MICRO, ACCUMULATION, BLOCK, LR, SEED = 8, 2, 64, 1e-3, 42
 
@@ -132,25 +132,14 @@ def packed_inputs(num_blocks):
 
 def run_plain(updates):
     from torch.utils.data import DataLoader
-    from transformers import default_data_collator, get_scheduler
+    from transformers import default_data_collator
 
     from ft_accum.memory import peak_memory_gb
 
     torch.manual_seed(SEED)
     model, data = packed_inputs(updates * MICRO * ACCUMULATION)
     loader = DataLoader(data, batch_size=MICRO, shuffle=True, collate_fn=default_data_collator)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
-    model.train()
-    clock = UpdateClock()
-    for i, batch in enumerate(loader):
-        (model(**batch).loss / ACCUMULATION).backward()
-        if (i + 1) % ACCUMULATION == 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            clock.tick()
+    clock = plain_accumulation_loop(model, loader, updates, ACCUMULATION, LR)
     return {"tokens_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION * (BLOCK - 1))), "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from timing import UpdateClock, steady_rate, summarize, trainer_callback  # noqa: E402
+from timing import UpdateClock, plain_accumulation_loop, steady_rate, summarize, trainer_callback  # noqa: E402
 
 MICRO, ACCUMULATION, SEQ_LEN, LR, SEED = 8, 4, 128, 1e-4, 42
 
@@ -46,26 +46,14 @@ def load_inputs(num_samples):
 def run_plain(updates):
     import torch
     from torch.utils.data import DataLoader
-    from transformers import DataCollatorWithPadding, get_scheduler
+    from transformers import DataCollatorWithPadding
 
     from ft_accum.memory import peak_memory_gb
 
     torch.manual_seed(SEED)
     model, tokenizer, train = load_inputs(updates * MICRO * ACCUMULATION)
     loader = DataLoader(train, batch_size=MICRO, shuffle=True, collate_fn=DataCollatorWithPadding(tokenizer))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
-    model.train()
-    clock = UpdateClock()
-    for i, batch in enumerate(loader):
-        loss = model(**batch).loss / ACCUMULATION
-        loss.backward()
-        if (i + 1) % ACCUMULATION == 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            clock.tick()
+    clock = plain_accumulation_loop(model, loader, updates, ACCUMULATION, LR)
     return {"samples_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION)), "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
 
 

@@ -51,3 +51,24 @@ def summarize(runs: dict[str, list[dict]], key: str, baseline: str = "plain") ->
     median = {name: statistics.median(r[key] for r in rs) for name, rs in runs.items()}
     ratios = {name: [a[key] / b[key] for a, b in zip(rs, runs[baseline])] for name, rs in runs.items()}
     return {"median": median, "ratio_to_plain": {n: statistics.median(r) for n, r in ratios.items()}, "per_repeat_ratios": ratios}
+
+
+def plain_accumulation_loop(model, loader, updates: int, accumulation: int, learning_rate: float) -> UpdateClock:
+    """The baseline every benchmark compares against: the tutorial loop (`loss / N`, step every N
+    micro-batches), AdamW on the trainable parameters, a linear schedule, clipping at 1.0."""
+    import torch
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
+    model.train()
+    clock = UpdateClock()
+    for i, batch in enumerate(loader):
+        (model(**batch).loss / accumulation).backward()
+        if (i + 1) % accumulation == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            clock.tick()
+    return clock

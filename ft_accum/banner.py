@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ft_accum.batch_arithmetic import effective_batch_size
+
 
 def format_banner(
     *,
@@ -24,7 +26,7 @@ def format_banner(
         learning rate 5e-05 at batch 32 → 5e-05 at batch 32 (sqrt)
         ...
     """
-    effective = per_device_train_batch_size * gradient_accumulation_steps * num_processes
+    effective = effective_batch_size(per_device_train_batch_size, gradient_accumulation_steps, num_processes)
     rows = {
         "batch": (
             f"{per_device_train_batch_size} micro × {gradient_accumulation_steps} accumulation × "

@@ -154,9 +154,8 @@ def build_dataloaders(cfg, accelerator, raw, tokenizer, label_names):
     return train_dataloader, eval_dataloader, mean_tokens
 
 
-def evaluate_model(model, eval_dataloader, accelerator):
+def evaluate_model(model, eval_dataloader, accelerator, accuracy, f1):
     model.eval()
-    accuracy, f1 = load_metric("accuracy"), load_metric("f1")
     loss_sum, count = 0.0, 0
     for batch in eval_dataloader:
         with torch.no_grad():
@@ -232,6 +231,7 @@ def train(cfg):
         # Drop lines logged after the checkpoint we resume from: those updates run again.
         truncate_metrics(output_dir, state["step"])
 
+    metrics = load_metric("accuracy"), load_metric("f1")
     progress = tqdm(total=num_update_steps, initial=state["step"], desc="updates", disable=not accelerator.is_local_main_process)
     model.train()
     eval_metrics, started = {}, time.perf_counter() - state["train_seconds"]
@@ -286,7 +286,7 @@ def train(cfg):
                     break
 
         eval_start = time.perf_counter()
-        eval_metrics = evaluate_model(model, eval_dataloader, accelerator)
+        eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
         started += time.perf_counter() - eval_start  # the throughput figure covers training only
         window_started = time.perf_counter()
         accelerator.print(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
