@@ -50,3 +50,11 @@ def read_yaml_config(path: str | Path, config_class: type) -> dict:
     if unknown:
         raise ConfigError(f"--config {path} has unknown setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(fields))}")
     return values
+
+
+def require_at_least(config, minimum: int, *names: str) -> None:
+    """Each named setting that is set (not None) must be ≥ `minimum`: zero or negative sizes are typos."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"--{name} must be ≥ {minimum}, got {value}")

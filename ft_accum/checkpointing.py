@@ -6,6 +6,10 @@ update counter, the running totals, and a manifest of every file's size and sha2
 written last and marks the checkpoint complete. A checkpoint whose files do not match its manifest
 (truncated by a full disk, corrupted later) is skipped by `latest` with a warning, never loaded.
 Checkpoints are only taken at sync steps, so a resumed run never starts inside a window.
+The state also records the run's signature (the model's parameter names and shapes, the batch
+arithmetic, the seed): a resume that would silently change the run is refused before anything
+is loaded. Every file goes through safetensors or `torch.load(weights_only=True)` (Accelerate's
+`load`), so loading a checkpoint never runs code from it.
 
 Each checkpoint is written to `checkpoints/.tmp-step_000120/` and renamed into place once every
 process has finished writing. A rename within one filesystem is atomic (POSIX rename(2)), so a
@@ -15,13 +19,17 @@ crash leaves either the old set of checkpoints or the new one, plus a `.tmp-*` f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ft_accum.errors import ConfigError
 from ft_accum.integrity import sha256_of
@@ -41,19 +49,32 @@ def save_checkpoint(
     """Save `accelerator.save_state` plus `state` atomically; call it on every process at a sync step.
 
     With `save_total_limit`, older complete checkpoints beyond the newest K are deleted, only after
-    the new one is complete.
+    the new one is complete. A failed write (a full disk) removes the partial folder and raises a
+    ConfigError that names the checkpoint still intact.
     """
     root = Path(output_dir) / "checkpoints"
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}"
+    for model in accelerator._models:
+        check_finite_parameters(accelerator.unwrap_model(model), f"checkpoint {final.name}")
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob(".tmp-*") if root.is_dir() else ():
+            shutil.rmtree(stale, ignore_errors=True)  # left by a run killed while saving
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            _write_json_durably(tmp / STATE_FILE, {"step": step, **state, "manifest": _manifest(tmp)})
+    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(output_dir)
+        raise ConfigError(
+            f"could not write checkpoint {final} ({_first_line(exc)}); free disk space or lower --save_total_limit, "
+            + (f"then resume from the intact {previous} with --resume_from_checkpoint latest" if previous else "then run again (no earlier checkpoint exists)")
+        ) from exc
     if accelerator.is_main_process:
-        _write_json_durably(tmp / STATE_FILE, {"step": step, **state, "manifest": _manifest(tmp)})
         if final.exists():
             # A re-run reached the same step: swap the old one out first, since rename(2)
             # cannot replace a non-empty directory.
@@ -139,13 +160,86 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str, output_dir: str | os.
     return path
 
 
-def resume_training_state(accelerator, resume_from_checkpoint: str, output_dir: str | os.PathLike) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler, sampler and RNG states; return the saved training state."""
+def resume_training_state(
+    accelerator, resume_from_checkpoint: str, output_dir: str | os.PathLike, signature: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler, sampler and RNG states; return the saved training state.
+
+    With `signature` (see `run_signature`), a checkpoint from another model or another batch
+    arithmetic is refused before anything is loaded.
+    """
     checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, output_dir)
-    accelerator.load_state(str(checkpoint))
     state = load_training_state(checkpoint)
+    if signature is not None:
+        for note in check_resume_signature(state.get("signature"), signature, checkpoint):
+            accelerator.print(f"note: {note}")
+    try:
+        accelerator.load_state(str(checkpoint))
+    except pickle.UnpicklingError as exc:
+        raise ConfigError(
+            f"checkpoint {checkpoint} holds a file that is not plain tensors, and torch.load(weights_only=True) "
+            f"refused it ({_first_line(exc)}); only resume from checkpoints this tool wrote"
+        ) from exc
     accelerator.print(f"Resumed from {checkpoint} at update {state['step']}")
     return state
+
+
+def run_signature(
+    model, *, effective_batch_size: int, per_device_train_batch_size: int, gradient_accumulation_steps: int,
+    num_processes: int, seed: int, optim: str,
+) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes it.
+
+    `model` is a sha256 over the (unwrapped) model's parameter names and shapes: another
+    architecture, size, number of labels or LoRA layout gives another digest.
+    """
+    shapes = ";".join(f"{name}:{tuple(p.shape)}" for name, p in model.state_dict().items())
+    return {
+        "model": f"{type(model).__name__}:{hashlib.sha256(shapes.encode()).hexdigest()[:16]}",
+        "effective_batch_size": effective_batch_size,
+        "per_device_train_batch_size": per_device_train_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "num_processes": num_processes,
+        "seed": seed,
+        "optim": optim,
+    }
+
+
+def check_resume_signature(saved: dict[str, Any] | None, current: dict[str, Any], checkpoint: Path) -> list[str]:
+    """Refuse a resume that would change the run; return notes on harmless changes.
+
+    Refused: another model (its weights would not fit), another effective batch (the LR schedule
+    and the data position are counted in updates of that batch), another process count or seed
+    (the per-process RNG states and the sample order would no longer line up), another optimizer
+    (its saved state has other fields). A new split of the
+    same effective batch (micro × accumulation) gives the same updates up to summation order.
+    """
+    if saved is None:
+        return []  # written before signatures existed
+    if saved["model"] != current["model"]:
+        raise ConfigError(
+            f"checkpoint {checkpoint} was saved from a different model ({saved['model']}, this run builds {current['model']}); "
+            "resume with the same --model_name_or_path and settings, or use a new --output_dir"
+        )
+    for key, flag in (("effective_batch_size", "--effective_batch_size"), ("num_processes", "--num_processes"), ("seed", "--seed"), ("optim", "--optim")):
+        if saved.get(key) != current[key]:
+            raise ConfigError(
+                f"checkpoint {checkpoint} was trained with {key} {saved[key]}, this run has {current[key]}: the update count, "
+                f"LR schedule and data position would no longer match; resume with {flag} {saved[key]}, or start a new --output_dir"
+            )
+    if (saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"]) != (
+        current["per_device_train_batch_size"], current["gradient_accumulation_steps"]):
+        was = f"{saved['per_device_train_batch_size']} × {saved['gradient_accumulation_steps']}"
+        return [f"the checkpoint split the same effective batch as {was}; the updates stay the same up to "
+                "float summation order, so the run is equivalent but not bit-identical"]
+    return []
+
+
+def check_finite_parameters(model, what: str) -> None:
+    """Refuse to save NaN or infinite weights: a checkpoint must be worth resuming from."""
+    bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad is not None:
+        raise ConfigError(f"parameter {bad} is not finite, so {what} was not saved; lower --learning_rate and resume from the last checkpoint")
 
 
 def batches_to_skip(completed_updates: int, epoch: int, updates_per_epoch: int, gradient_accumulation_steps: int) -> int:
@@ -163,6 +257,11 @@ def batches_to_skip(completed_updates: int, epoch: int, updates_per_epoch: int, 
 def load_training_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """The `training_state.json` saved beside the accelerator state."""
     return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _manifest(folder: Path) -> dict[str, dict[str, Any]]:

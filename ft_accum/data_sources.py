@@ -7,6 +7,7 @@ split, 10% of the training set is held out with a fixed seed, so runs stay compa
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import datasets
@@ -20,6 +21,8 @@ def load_local_files(train_file: str, validation_file: str | None = None) -> dat
     """A DatasetDict from local csv/tsv/json/jsonl files (one format for both)."""
     files = {"train": train_file} | ({"validation": validation_file} if validation_file else {})
     for split, file in files.items():
+        if Path(file).is_dir():
+            raise ConfigError(f"--{split}_file {file} is a folder; pass the data file inside it")
         if not Path(file).is_file():
             raise ConfigError(f"--{split}_file {file} does not exist; check the path (relative to {Path.cwd()})")
     suffix = Path(train_file).suffix.lower()
@@ -30,10 +33,86 @@ def load_local_files(train_file: str, validation_file: str | None = None) -> dat
     for split, file in files.items():
         if _count_nonblank_lines(file, stop_after=header_lines + 1) <= header_lines:
             raise ConfigError(f"--{split}_file {file} is empty (no data rows); give a file with at least one row")
+    for split, file in files.items():
+        if not os.access(file, os.R_OK):
+            raise ConfigError(f"--{split}_file {file} is not readable (permission denied); fix its permissions or copy it")
     try:
         return datasets.load_dataset(builder, data_files=files, **kwargs)
     except Exception as exc:  # the builders raise many types, all with long tracebacks
-        raise ConfigError(f"could not read {', '.join(files.values())} as {suffix[1:]}: {str(exc).splitlines()[0]}") from exc
+        raise ConfigError(f"could not read {' and '.join(map(str, files.values()))} as {suffix[1:]}: {_read_error_hint(exc, builder)}") from exc
+
+
+def _read_error_hint(exc: BaseException, builder: str) -> str:
+    """The innermost cause of a `datasets` builder failure (the outer one only says it failed), and the fix."""
+    while (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__
+    lines = str(exc).strip().splitlines()
+    reason = lines[0] if lines else type(exc).__name__
+    if isinstance(exc, UnicodeDecodeError) or "utf8" in reason.lower().replace("-", ""):
+        return f"{reason}; the file is not UTF-8: re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+    fix = {"json": "each line must be one JSON object, and a column must hold one type (all strings or all numbers)",
+           "csv": "check the quoting (a field with a comma or line break must be in double quotes) and the column count"}
+    return f"{reason}; {fix.get(builder, 'check the file format')}"
+
+
+def check_text_column(raw: datasets.DatasetDict, text_column: str) -> None:
+    """The text column holds strings (a CSV row with extra fields shifts numbers into it)."""
+    for split, ds in raw.items():
+        dtype = getattr(ds.features[text_column], "dtype", None)
+        if dtype not in ("string", "large_string"):
+            raise ConfigError(
+                f"--text_column {text_column!r} of the {split} split holds {dtype or type(ds.features[text_column]).__name__} values, not text; "
+                "check that every CSV row has as many fields as the header, or pass the right --text_column"
+            )
+
+
+def drop_empty_rows(raw: datasets.DatasetDict, *columns: str) -> datasets.DatasetDict:
+    """Drop rows whose `columns` are missing or blank (an empty CSV cell reads as None), then check none is left empty."""
+    def keep(row):
+        return all(row[c] is not None and str(row[c]).strip() != "" for c in columns)
+
+    filtered = datasets.DatasetDict({split: ds.filter(keep, desc=f"Dropping rows with an empty {' or '.join(columns)}") for split, ds in raw.items()})
+    for split, ds in filtered.items():
+        if len(ds) == 0:
+            raise ConfigError(
+                f"the {split} split is empty after dropping the {len(raw[split])} row(s) with an empty {' or '.join(columns)}; "
+                f"check that --{'/'.join(columns)} name the right columns and that the file has values in them"
+            )
+    return filtered
+
+
+def label_names(raw: datasets.DatasetDict, label_column: str) -> list[str]:
+    """The classes, from the train split: a ClassLabel's names, or the sorted distinct values.
+
+    Labels must be of one kind in every split (all integers or all strings): "1" from one file
+    and 1 from another would otherwise become two classes. A validation label the train split
+    never shows is an error, since the classifier has no output for it.
+    """
+    kinds = {split: ds.features[label_column] for split, ds in raw.items()}
+    if hasattr(kinds["train"], "names"):
+        return list(kinds["train"].names)
+    for split, ds in raw.items():
+        value_types = sorted({type(v).__name__ for v in ds[label_column]})
+        if len(value_types) > 1:
+            raise ConfigError(
+                f"--label_column {label_column!r} of the {split} split mixes {' and '.join(value_types)} values; "
+                "write every label the same way (all names, or all integer ids)"
+            )
+    dtypes = {split: getattr(feature, "dtype", type(feature).__name__) for split, feature in kinds.items()}
+    if len(set(dtypes.values())) > 1:
+        raise ConfigError(
+            f"--label_column {label_column!r} holds different kinds of value per split ({', '.join(f'{s}: {d}' for s, d in dtypes.items())}); "
+            "write the labels the same way in every file (all names, or all integer ids)"
+        )
+    names = [str(v) for v in sorted(set(raw["train"][label_column]))]  # integer ids keep their numeric order
+    for split, ds in raw.items():
+        unknown = sorted({str(v) for v in ds[label_column]} - set(names))
+        if unknown:
+            raise ConfigError(
+                f"the {split} split has label(s) {', '.join(unknown[:5])} that the train split never shows (it has {', '.join(names[:10])}); "
+                "fix the labels, or move those rows into the train split"
+            )
+    return names
 
 
 def load_hub_dataset(dataset_name: str, dataset_config_name: str | None = None) -> datasets.DatasetDict:

@@ -82,10 +82,37 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
     return loss_sum, (shift_labels != ignore_index).sum()
 
 
-def check_finite_loss(loss: float, update: int) -> None:
-    """A NaN or infinite window loss stops the run with the likely fixes, before it is checkpointed."""
-    if not math.isfinite(loss):
+def check_finite_window(
+    window_loss: float, micro_batch_losses: list[float], update: int, process_index: int, last_checkpoint: str | None
+) -> None:
+    """Stop before the optimizer step when the window's loss is NaN or infinite (bf16, fp32).
+
+    Called at the sync step, before clipping and `optimizer.step()`, so the weights never take the
+    bad update and nothing non-finite is ever checkpointed. `micro_batch_losses` are this process's
+    summed losses in window order, so the message can name the micro-batch (1-based).
+    """
+    if math.isfinite(window_loss):
+        return
+    bad = [i + 1 for i, value in enumerate(micro_batch_losses) if not math.isfinite(value)]
+    where = (f"micro-batch {bad[0]} of {len(micro_batch_losses)} on process {process_index}" if bad
+             else f"a micro-batch of another process (process {process_index}'s {len(micro_batch_losses)} were finite)")
+    raise ConfigError(
+        f"the training loss became {window_loss} at update {update}, {where}; the weights were not updated and "
+        f"nothing was saved after {last_checkpoint or 'the start (no checkpoint yet)'}. "
+        "Lower --learning_rate, keep --max_grad_norm > 0, or check that micro-batch's data; then resume with --resume_from_checkpoint latest"
+    )
+
+
+def check_skipped_updates(consecutive_skipped: int, limit: int, update: int, last_checkpoint: str | None) -> None:
+    """fp16 only: stop after `limit` updates in a row that the grad scaler skipped.
+
+    A skipped update (an inf/NaN gradient, so the scaler halves its scale and drops the step) is
+    routine in fp16 while the scale settles, and a few are logged and counted. Many in a row mean
+    the loss itself overflows at every scale: the run is burning GPU hours without learning.
+    """
+    if limit and consecutive_skipped >= limit:
         raise ConfigError(
-            f"the training loss became {loss} at update {update}; lower --learning_rate, "
-            "keep --max_grad_norm > 0, or use bf16 instead of fp16"
+            f"the fp16 grad scaler skipped {consecutive_skipped} updates in a row (up to update {update}): the gradients "
+            f"overflow at every loss scale; last good checkpoint: {last_checkpoint or 'none'}. Use bf16 (accelerate_configs/single_gpu_bf16.yaml), "
+            "lower --learning_rate, or raise --max_consecutive_skipped_updates"
         )

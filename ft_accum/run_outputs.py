@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ft_accum.checkpointing import check_finite_parameters
 from ft_accum.errors import ConfigError
 
 
@@ -30,6 +31,45 @@ def check_mixed_precision(accelerator) -> None:
             "fp16 needs a CUDA GPU and this machine has none; launch with --mixed_precision no (or bf16), "
             "e.g. --config_file accelerate_configs/cpu.yaml"
         )
+
+
+def prepare_output_dir(output_dir: str | os.PathLike, *, resume: bool, overwrite: bool, is_main_process: bool = True) -> None:
+    """Check --output_dir before any compute is spent; with `overwrite`, clear the previous run's outputs.
+
+    Refused without --overwrite_output_dir: a folder that holds a finished run (all_results.json),
+    or the checkpoints of an unfinished one (which a fresh start would mix with its own). The checks
+    only read, so every process makes them and fails alike; only the main process writes.
+    """
+    path = Path(output_dir)
+    if resume and overwrite:
+        raise ConfigError("--overwrite_output_dir and --resume_from_checkpoint contradict each other; give one")
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--output_dir {path} is a file, not a folder; pick another --output_dir")
+    if not resume and not overwrite:
+        if (path / "all_results.json").exists():
+            raise ConfigError(
+                f"--output_dir {path} already holds a finished run (all_results.json); pass --overwrite_output_dir "
+                "to replace it, or choose a new --output_dir"
+            )
+        if (path / "checkpoints").is_dir() and any((path / "checkpoints").iterdir()):
+            raise ConfigError(
+                f"--output_dir {path} holds the checkpoints of an unfinished run; add --resume_from_checkpoint latest "
+                "to continue it, or --overwrite_output_dir to start over"
+            )
+    if not is_main_process:
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write to --output_dir {path} ({exc.strerror or exc}); pick a folder you can write to") from exc
+    if overwrite:
+        for name in ("checkpoints", "final", "final_merged"):
+            shutil.rmtree(path / name, ignore_errors=True)
+        for name in ("metrics.jsonl", "all_results.json"):
+            (path / name).unlink(missing_ok=True)
 
 
 def append_metrics(output_dir: Path, record: dict[str, Any]) -> None:
@@ -53,11 +93,16 @@ def save_final(accelerator, model, tokenizer, output_dir: Path, name: str = "fin
     """
     accelerator.wait_for_everyone()
     tmp, final = Path(output_dir) / f".tmp-{name}", Path(output_dir) / name
+    check_finite_parameters(accelerator.unwrap_model(model), f"{name}/")
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        try:
+            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ConfigError(f"could not write {final} ({exc.strerror or exc}); free disk space, then resume with --resume_from_checkpoint latest") from exc
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     accelerator.wait_for_everyone()

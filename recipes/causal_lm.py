@@ -20,7 +20,9 @@ The settings that matter:
 - Precision and processes come from the Accelerate config (accelerate_configs/), not from here.
 
 Outputs in --output_dir: final/ (the model, or the LoRA adapter), final_merged/ (--merge_lora),
-metrics.jsonl (one line per optimizer update), all_results.json, checkpoints/step_XXXXXX/.
+metrics.jsonl (one line per optimizer update), all_results.json, checkpoints/step_XXXXXX/ (taken
+only at the end of an accumulation window, so `--resume_from_checkpoint latest` continues
+bit-identically after a crash).
 """
 
 import json
@@ -40,17 +42,17 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, default_data_collator
 
 from ft_accum import batch_arithmetic, checkpointing
-from ft_accum.arguments import parse_config
+from ft_accum.arguments import parse_config, require_at_least
 from ft_accum.banner import format_banner
-from ft_accum.data_sources import check_columns, load_hub_dataset, load_local_files, with_validation_split
+from ft_accum.data_sources import check_columns, check_text_column, drop_empty_rows, load_hub_dataset, load_local_files, with_validation_split
 from ft_accum.errors import ConfigError
 from ft_accum.lora import import_peft, parse_target_modules
-from ft_accum.loss_normalization import causal_lm_loss_sum, check_finite_loss, scale_gradients_, window_gradient_scale
+from ft_accum.loss_normalization import causal_lm_loss_sum, check_finite_window, check_skipped_updates, scale_gradients_, window_gradient_scale
 from ft_accum.lr_scaling import POLICIES, describe_lr_scaling, scale_learning_rate
 from ft_accum.lr_schedule import build_lr_scheduler
 from ft_accum.memory import peak_memory_gb
 from ft_accum.offline_assets import bundled_smollm2_dir, load_bbc_news
-from ft_accum.run_outputs import append_metrics, check_mixed_precision, resolve_report_to, save_final, truncate_metrics
+from ft_accum.run_outputs import append_metrics, check_mixed_precision, prepare_output_dir, resolve_report_to, save_final, truncate_metrics
 
 
 @dataclass
@@ -90,13 +92,18 @@ class TrainConfig:
     max_new_tokens: int = field(default=40, metadata={"help": "Length of that continuation."})
     seed: int = field(default=42, metadata={"help": "Seeds the init and the sample order (the order does not depend on the batch split)."})
     output_dir: str = field(default="outputs/causal_lm", metadata={"help": "Where final/, checkpoints/ and metrics go."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Replace the run already in --output_dir (refused otherwise)."})
     checkpointing_steps: Optional[int] = field(default=None, metadata={"help": "Save a checkpoint every N optimizer updates."})
     save_total_limit: Optional[int] = field(default=None, metadata={"help": "Keep only the newest K checkpoints."})
     resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "A checkpoint folder, or 'latest' under --output_dir."})
+    max_consecutive_skipped_updates: int = field(default=20, metadata={"help": "fp16: stop after this many updates in a row skipped for overflow; 0 = never."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run Python code shipped with the model. Only for models you trust."})
     report_to: str = field(default="auto", metadata={"help": "tensorboard, none, or auto (tensorboard when installed)."})
 
     def __post_init__(self):
         batch_arithmetic.check_accumulation_settings(self.gradient_accumulation_steps, self.effective_batch_size)
+        require_at_least(self, 1, "per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs", "max_train_steps",
+                         "checkpointing_steps", "save_total_limit", "max_train_samples", "max_eval_samples", "lora_r")
         if self.optim not in ("adamw_torch", "sgd"):
             raise ConfigError(f"--optim must be adamw_torch or sgd, got {self.optim!r}")
         if self.block_size < 2:
@@ -111,10 +118,11 @@ def build_model(cfg):
         raise ConfigError(f"--model_name_or_path {name} does not exist; pass a folder holding config.json, or a hub name")
     peft = import_peft() if cfg.use_lora else None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name)
-    except OSError as exc:
-        raise ConfigError(f"could not load model {name!r}: {str(exc).splitlines()[0]} Pass a local folder, or go online for hub names") from exc
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:  # ValueError: the model needs its own code and trust_remote_code is off
+        hint = "pass --trust_remote_code only if you trust its code" if "trust_remote_code" in str(exc) else "pass a local folder, or go online for hub names"
+        raise ConfigError(f"could not load model {name!r}: {str(exc).strip().splitlines()[0]} ({hint})") from exc
     context = getattr(model.config, "max_position_embeddings", None)
     if context and cfg.block_size > context:
         raise ConfigError(f"--block_size {cfg.block_size} is larger than the model's context of {context} tokens; use --block_size {context} or less")
@@ -142,6 +150,8 @@ def load_raw_data(cfg):
         raw = load_bbc_news(seed=cfg.seed).remove_columns("label")
     raw = with_validation_split(raw, cfg.seed)
     check_columns(raw, text_column=cfg.text_column)
+    raw = drop_empty_rows(raw, cfg.text_column)
+    check_text_column(raw, cfg.text_column)
     if cfg.max_train_samples:
         raw["train"] = raw["train"].select(range(min(cfg.max_train_samples, len(raw["train"]))))
     if cfg.max_eval_samples:
@@ -201,6 +211,8 @@ def train(cfg):
                               # A seeded sampler makes the sample order depend on the seed and epoch only, not on the split.
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
     check_mixed_precision(accelerator)
+    prepare_output_dir(cfg.output_dir, resume=bool(cfg.resume_from_checkpoint), overwrite=cfg.overwrite_output_dir, is_main_process=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
     num_processes = accelerator.num_processes
     accumulation = batch_arithmetic.resolve_gradient_accumulation_steps(
         cfg.per_device_train_batch_size, num_processes, cfg.gradient_accumulation_steps, cfg.effective_batch_size)
@@ -234,18 +246,24 @@ def train(cfg):
         mixed_precision=accelerator.mixed_precision, gradient_checkpointing=cfg.gradient_checkpointing,
         num_update_steps=num_update_steps, num_train_epochs=num_epochs, updates_per_epoch=updates_per_epoch, mean_tokens_per_sample=mean_tokens,
         extra={"trainable": f"{n_trainable:,} of {n_total:,} parameters" + (f" (LoRA r={cfg.lora_r})" if cfg.use_lora else ""),
-               "sequences": f"{len(train_dataloader.dataset)} train / {len(eval_dataloader.dataset)} eval, {'packed' if cfg.packing else 'padded'} to {cfg.block_size} tokens"},
+               "sequences": f"{len(train_dataloader.dataset)} train / {len(eval_dataloader.dataset)} eval, {'packed' if cfg.packing else 'padded'} to {cfg.block_size} tokens",
+               **({"trust_remote_code": "ON: the model's own Python code ran"} if cfg.trust_remote_code else {})},
         unit="sequences",
     ))
     if report_to:
         accelerator.init_trackers("causal_lm", config={k: v for k, v in asdict(cfg).items() if isinstance(v, (int, float, str, bool))})
 
     output_dir = Path(cfg.output_dir)
-    state = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "train_seconds": 0.0}
+    signature = checkpointing.run_signature(accelerator.unwrap_model(model), effective_batch_size=effective, seed=cfg.seed,
+                                            per_device_train_batch_size=cfg.per_device_train_batch_size,
+                                            gradient_accumulation_steps=accumulation, num_processes=num_processes, optim=cfg.optim)
+    state = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "train_seconds": 0.0, "skipped_updates": 0, "consecutive_skipped": 0}
+    last_checkpoint = None
     if cfg.resume_from_checkpoint:
-        state = checkpointing.resume_training_state(accelerator, cfg.resume_from_checkpoint, output_dir)
+        saved = checkpointing.resume_training_state(accelerator, cfg.resume_from_checkpoint, output_dir, signature)
+        state = {k: saved.get(k, v) for k, v in state.items()}
+        last_checkpoint = checkpointing.checkpoint_name(state["step"])
     if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
         truncate_metrics(output_dir, state["step"])  # updates after the checkpoint run again
     initial_eval = evaluate_perplexity(model, eval_dataloader, accelerator)
     accelerator.print(f"before training: eval_perplexity {initial_eval['eval_perplexity']:.2f}")
@@ -259,6 +277,7 @@ def train(cfg):
         seen = checkpointing.batches_to_skip(state["step"], epoch, updates_per_epoch, accumulation)
         batches = accelerator.skip_first_batches(train_dataloader, seen) if seen else train_dataloader
         window = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # summed loss, target tokens, sequences
+        micro_losses = []  # this process's, to name the micro-batch if the loss turns non-finite
         for batch in batches:
             with accelerator.accumulate(model):
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -266,11 +285,14 @@ def train(cfg):
                 # across all processes divides it at the sync step.
                 loss_sum, num_tokens = causal_lm_loss_sum(logits, batch["labels"])
                 window[0] += loss_sum.detach()
+                micro_losses.append(loss_sum.detach())
                 window[1] += num_tokens
                 window[2] += len(batch["input_ids"])
                 accelerator.backward(loss_sum / nominal_tokens)
                 if accelerator.sync_gradients:
                     loss_total, tokens, sequences = accelerator.reduce(window, reduction="sum").tolist()
+                    if accelerator.mixed_precision != "fp16":  # fp16 overflow is the grad scaler's to skip, and counted below
+                        check_finite_window(loss_total, torch.stack(micro_losses).tolist(), state["step"] + 1, accelerator.process_index, last_checkpoint)
                     # Undo backward's /N and DDP's /P, divide by the real token count (see loss_normalization).
                     scale_gradients_(model.parameters(), window_gradient_scale(tokens, nominal_tokens, accumulation, num_processes))
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
@@ -280,15 +302,19 @@ def train(cfg):
 
             if accelerator.sync_gradients:
                 window.zero_()
+                micro_losses.clear()
                 loss = loss_total / tokens
-                check_finite_loss(loss, state["step"] + 1)
                 state["step"] += 1
+                skipped = accelerator.optimizer_step_was_skipped
+                state["skipped_updates"] += skipped
+                state["consecutive_skipped"] = state["consecutive_skipped"] + 1 if skipped else 0
+                check_skipped_updates(state["consecutive_skipped"], cfg.max_consecutive_skipped_updates, state["step"], last_checkpoint)
                 state["samples_seen"] += int(sequences)
                 state["tokens_seen"] += int(tokens)
                 now = time.perf_counter()
                 record = {"step": state["step"], "epoch": state["step"] / updates_per_epoch, "loss": loss, "lr": lr_scheduler.get_last_lr()[0],
                           "grad_norm": float(grad_norm), "samples_seen": state["samples_seen"], "tokens_seen": state["tokens_seen"],
-                          "tokens_per_second": tokens / (now - window_started)}
+                          "tokens_per_second": tokens / (now - window_started), "skipped_updates": state["skipped_updates"]}
                 window_started = now
                 if accelerator.is_main_process:
                     append_metrics(output_dir, record)
@@ -297,7 +323,8 @@ def train(cfg):
                 progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
                 if cfg.checkpointing_steps and state["step"] % cfg.checkpointing_steps == 0:
                     state["train_seconds"] = now - started
-                    checkpointing.save_checkpoint(accelerator, output_dir, state["step"], {k: v for k, v in state.items() if k not in ("step", "manifest")}, cfg.save_total_limit)
+                    last_checkpoint = checkpointing.save_checkpoint(
+                        accelerator, output_dir, state["step"], {**{k: v for k, v in state.items() if k != "step"}, "signature": signature}, cfg.save_total_limit)
                     window_started = time.perf_counter()
                 if state["step"] >= num_update_steps:
                     break

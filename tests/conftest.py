@@ -254,3 +254,15 @@ def error_of(recipe: str, args: list[str]) -> str:
     message = str(exit_info.value.code)
     assert message.startswith("error: ") and "\n" not in message, message
     return message
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder`, by relative path: what 'nothing was damaged' compares."""
+    from ft_accum.integrity import sha256_of
+
+    return {str(p.relative_to(folder)): sha256_of(p) for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)

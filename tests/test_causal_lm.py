@@ -174,16 +174,6 @@ def test_packing_gives_full_blocks(tmp_path, tiny_gpt2_dir, lm_data_files):
     assert [m["tokens_seen"] for m in read_metrics(tmp_path)] == [60, 120]
 
 
-def test_missing_text_column(tmp_path, tiny_gpt2_dir, lm_data_files):
-    message = error_of("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, text_column="body"))
-    assert "--text_column 'body' is not a column" in message and "text" in message
-
-
-def test_block_size_beyond_the_context(tmp_path, tiny_gpt2_dir, lm_data_files):
-    message = error_of("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, block_size=128))
-    assert "larger than the model's context of 64 tokens" in message and "--block_size 64" in message
-
-
 def test_lora_without_peft_names_the_extra(tmp_path, tiny_gpt2_dir, lm_data_files, monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # makes `import peft` raise ImportError
     message = error_of("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, use_lora=True))
