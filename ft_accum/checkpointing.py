@@ -70,8 +70,10 @@ def save_checkpoint(
     except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(output_dir)
+        needed = f", one checkpoint takes {_folder_mib(previous):.0f} MiB" if previous else ""
         raise ConfigError(
-            f"could not write checkpoint {final} ({_first_line(exc)}); free disk space or lower --save_total_limit, "
+            f"could not write checkpoint {final} (the write failed: {_first_line(exc)}; {shutil.disk_usage(root).free / 2**20:.0f} MiB "
+            f"free there{needed}); free disk space or lower --save_total_limit, "
             + (f"then resume from the intact {previous} with --resume_from_checkpoint latest" if previous else "then run again (no earlier checkpoint exists)")
         ) from exc
     if accelerator.is_main_process:
@@ -257,6 +259,10 @@ def batches_to_skip(completed_updates: int, epoch: int, updates_per_epoch: int, 
 def load_training_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """The `training_state.json` saved beside the accelerator state."""
     return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+
+
+def _folder_mib(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
 
 
 def _first_line(exc: BaseException) -> str:

@@ -183,8 +183,12 @@ def build_dataloaders(cfg, accelerator, raw, tokenizer):
     # The padding collator masks pads with -100 in the labels; packed blocks have no padding.
     collator = default_data_collator if cfg.packing else DataCollatorForLanguageModeling(
         tokenizer, mlm=False, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
-    train_dataloader = DataLoader(tokenized["train"], shuffle=True, collate_fn=collator, batch_size=cfg.per_device_train_batch_size)
-    eval_dataloader = DataLoader(tokenized["validation"], collate_fn=collator, batch_size=cfg.per_device_eval_batch_size)
+    # Generators of their own: starting an iterator otherwise draws from the global torch RNG, which
+    # drives dropout, so the masks after a resume (which starts one iterator fewer) would differ.
+    train_dataloader = DataLoader(tokenized["train"], shuffle=True, collate_fn=collator, batch_size=cfg.per_device_train_batch_size,
+                                  generator=torch.Generator().manual_seed(cfg.seed))
+    eval_dataloader = DataLoader(tokenized["validation"], collate_fn=collator, batch_size=cfg.per_device_eval_batch_size,
+                                 generator=torch.Generator().manual_seed(cfg.seed))
     mean_tokens = sum(map(len, tokenized["train"]["input_ids"])) / len(tokenized["train"])
     return train_dataloader, eval_dataloader, mean_tokens
 

@@ -64,7 +64,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-bert")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted({w for ws in TOPICS.values() for w in ws} | set(COMMON))
     (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    # transformers 5 takes the vocabulary as a dict and silently ignores vocab_file (every word
+    # would become [UNK]); transformers 4 needs vocab_file. The length check catches either going wrong.
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)})
+    if len(tokenizer) != len(vocab):
+        tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"))
+    assert len(tokenizer) == len(vocab) and tokenizer.unk_token_id not in tokenizer("the match")["input_ids"]
+    tokenizer.save_pretrained(path)
     config = BertConfig(
         vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=len(TOPICS),

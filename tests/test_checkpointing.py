@@ -113,3 +113,61 @@ def test_save_total_limit_keeps_the_newest(tmp_path, accelerator):
     for step in range(1, 6):
         checkpointing.save_checkpoint(accelerator, tmp_path, step, {}, save_total_limit=2)
     assert [p.name for p in checkpointing.list_checkpoints(tmp_path)] == ["step_000004", "step_000005"]
+
+
+def signature(**changes):
+    base = {"model": "Bert:abc", "effective_batch_size": 32, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 4,
+            "num_processes": 1, "seed": 42, "optim": "adamw_torch"}
+    return base | changes
+
+
+def test_run_signature_tells_models_apart():
+    a, b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 3)
+    settings = {"effective_batch_size": 8, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_processes": 1, "seed": 0, "optim": "sgd"}
+    assert checkpointing.run_signature(a, **settings)["model"] == checkpointing.run_signature(torch.nn.Linear(4, 2), **settings)["model"]
+    assert checkpointing.run_signature(a, **settings)["model"] != checkpointing.run_signature(b, **settings)["model"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model": "Bert:def"}, "different model"),
+    ({"effective_batch_size": 64, "gradient_accumulation_steps": 8}, "effective_batch_size 32, this run has 64"),
+    ({"num_processes": 2, "gradient_accumulation_steps": 2}, "num_processes 1, this run has 2"),
+    ({"seed": 1}, "seed 42, this run has 1"),
+    ({"optim": "sgd"}, "optim adamw_torch, this run has sgd"),
+])
+def test_a_resume_that_would_change_the_run_is_refused(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        checkpointing.check_resume_signature(signature(), signature(**change), tmp_path)
+
+
+def test_a_new_split_of_the_same_effective_batch_is_allowed_with_a_note(tmp_path):
+    notes = checkpointing.check_resume_signature(signature(), signature(per_device_train_batch_size=4, gradient_accumulation_steps=8), tmp_path)
+    assert len(notes) == 1 and "not bit-identical" in notes[0]
+    assert checkpointing.check_resume_signature(signature(), signature(), tmp_path) == []
+    assert checkpointing.check_resume_signature(None, signature(), tmp_path) == []
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path, accelerator):
+    model, _ = prepared(accelerator)
+    checkpointing.save_checkpoint(accelerator, tmp_path, 1, {})
+    with torch.no_grad():
+        accelerator.unwrap_model(model).weight[0, 0] = float("nan")
+    with pytest.raises(ConfigError, match="parameter weight is not finite, so checkpoint step_000002 was not saved"):
+        checkpointing.save_checkpoint(accelerator, tmp_path, 2, {})
+    assert checkpointing.latest_checkpoint(tmp_path).name == "step_000001"
+
+
+def test_output_dir_guard(tmp_path):
+    from ft_accum.run_outputs import prepare_output_dir
+
+    prepare_output_dir(tmp_path / "new", resume=False, overwrite=False)  # a fresh folder is created
+    assert (tmp_path / "new").is_dir()
+    (tmp_path / "new" / "all_results.json").write_text("{}")
+    with pytest.raises(ConfigError, match="already holds a finished run"):
+        prepare_output_dir(tmp_path / "new", resume=False, overwrite=False)
+    prepare_output_dir(tmp_path / "new", resume=True, overwrite=False)  # continuing it is allowed
+    prepare_output_dir(tmp_path / "new", resume=False, overwrite=True)
+    assert not (tmp_path / "new" / "all_results.json").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        prepare_output_dir(tmp_path / "file", resume=False, overwrite=False)

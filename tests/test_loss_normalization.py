@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ft_accum.loss_normalization import scale_gradients_, window_gradient_scale
+from ft_accum.errors import ConfigError
+from ft_accum.loss_normalization import check_finite_window, check_skipped_updates, scale_gradients_, window_gradient_scale
 
 
 def full_batch_gradient(model, x, y):
@@ -59,3 +60,21 @@ def test_short_last_window_is_scaled_up():
 def test_empty_window_is_an_error():
     with pytest.raises(ValueError, match="at least one item"):
         window_gradient_scale(0, 8, 4, 1)
+
+
+def test_a_non_finite_window_names_the_update_micro_batch_and_checkpoint():
+    check_finite_window(2.5, [1.0, 1.5], update=3, process_index=0, last_checkpoint=None)  # finite: no error
+    with pytest.raises(ConfigError) as error:
+        check_finite_window(float("nan"), [1.0, float("inf"), 2.0], update=7, process_index=1, last_checkpoint="out/checkpoints/step_000006")
+    message = str(error.value)
+    assert "at update 7, micro-batch 2 of 3 on process 1" in message and "nothing was saved after out/checkpoints/step_000006" in message
+    with pytest.raises(ConfigError, match="a micro-batch of another process"):
+        check_finite_window(float("inf"), [1.0, 2.0], update=7, process_index=0, last_checkpoint=None)
+
+
+def test_fp16_skipped_updates_stop_the_run_only_when_consecutive_reach_the_limit():
+    for consecutive in range(5):
+        check_skipped_updates(consecutive, limit=5, update=10, last_checkpoint=None)
+    check_skipped_updates(100, limit=0, update=10, last_checkpoint=None)  # 0 = never stop
+    with pytest.raises(ConfigError, match="skipped 5 updates in a row .*last good checkpoint: ck.*bf16"):
+        check_skipped_updates(5, limit=5, update=10, last_checkpoint="ck")

@@ -1,0 +1,215 @@
+"""Fault injection through the real `accelerate launch`: SIGKILL, a corrupted checkpoint, a failing disk.
+
+The claim under test: a run killed at any moment and resumed with `--resume_from_checkpoint latest`
+ends with final weights *bit-identical* (max abs difference 0.0) to an uninterrupted run with the
+same seed, on CPU, for 1 and 2 processes; and `metrics.jsonl` then holds every update exactly once.
+"""
+
+import contextlib
+import os
+import random
+import resource
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    final_weights,
+    launch,
+    launch_command,
+    make_rows,
+    max_abs_difference,
+    read_metrics,
+    run_in_process,
+    tiny_args,
+    write_jsonl,
+)
+
+from ft_accum import checkpointing
+
+pytestmark = pytest.mark.launch
+
+# 96 rows, 2 × 2 per update: 24 updates per epoch, 48 in all, a checkpoint after every one.
+COMMON = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "num_train_epochs": 2, "checkpointing_steps": 1}
+TOTAL_UPDATES = 48
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, data_files):
+    train = write_jsonl(tmp_path_factory.mktemp("fault-data") / "train.jsonl", make_rows(96, seed=4))
+    return {**data_files, "train": train}
+
+
+@pytest.fixture(scope="module")
+def dropout_model_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny BERT with dropout 0.1, so a resume that did not restore every RNG would differ."""
+    import shutil
+
+    from transformers import BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("tiny-bert-dropout")
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    model = BertForSequenceClassification.from_pretrained(tiny_model_dir, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, dropout_model_dir, data):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    run_in_process("text_classification", tiny_args(dropout_model_dir, data, out, **COMMON))
+    return out
+
+
+def start(args: list[str], num_processes: int = 1) -> subprocess.Popen:
+    cmd, env = launch_command("text_classification", args, num_processes)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and all its descendants, from /proc. torchrun starts each worker in a session of its
+    own, so killing the launcher's process group would leave the workers running."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def completed_updates(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def kill_when(process: subprocess.Popen, ready, what: str, delay: float = 0.0, timeout: float = 300) -> None:
+    """SIGKILL the whole process group `delay` seconds after `ready()` holds (polled every millisecond)."""
+    deadline = time.time() + timeout
+    while not ready():
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended before {what}:\n{process.stderr.read()[-3000:]}")
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+    time.sleep(delay)
+    # Stop every process first, so none can finish the update or checkpoint in between, then kill.
+    tree = process_tree(process.pid)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    for pid in process_tree(process.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+    for pid in tree:  # reap-free wait until the workers are gone (they are not our children)
+        while Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
+            time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def test_three_seeded_kills_then_resume_is_bit_identical(tmp_path, dropout_model_dir, data, uninterrupted):
+    """Killed mid-update in epoch 1, mid-update in epoch 2, then inside a checkpoint write; resumed each time."""
+    rng = random.Random(2026)
+    first, second = rng.randint(3, 20), rng.randint(26, 38)
+    during_write = rng.randint(second + 3, TOTAL_UPDATES - 2)
+    out = tmp_path / "run"
+    args = tiny_args(dropout_model_dir, data, out, **COMMON)
+    resume = tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **COMMON)
+
+    # A random delay after update k is logged puts the kill somewhere inside update k + 1 (or its checkpoint).
+    for target, command in ((first, args), (second, resume)):
+        process = start(command)
+        kill_when(process, lambda: completed_updates(out) >= target, f"update {target}", delay=rng.uniform(0, 0.05))
+    # The third kill lands while checkpoint step_<during_write> is being written: its .tmp folder exists.
+    tmp = out / "checkpoints" / f".tmp-{checkpointing.checkpoint_name(during_write)}"
+    process = start(resume)
+    kill_when(process, tmp.exists, f"the write of checkpoint {during_write}")
+    assert tmp.exists(), "the kill did not land inside the checkpoint write"
+    assert checkpointing.latest_checkpoint(out).name == checkpointing.checkpoint_name(during_write - 1)
+    assert not (out / "final").exists(), "the run finished before the last kill: nothing was resumed"
+
+    launch("text_classification", resume)
+
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, TOTAL_UPDATES + 1)), "an update is missing or logged twice"
+    assert not list((out / "checkpoints").glob(".tmp-*")), "the half-written checkpoint was not cleaned up"
+    assert max_abs_difference(final_weights(out), final_weights(uninterrupted)) == 0.0
+
+
+def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_completes(tmp_path, dropout_model_dir, data, uninterrupted):
+    out = tmp_path / "run"
+    process = start(tiny_args(dropout_model_dir, data, out, **COMMON))
+    kill_when(process, lambda: completed_updates(out) >= 10, "update 10")
+    newest = checkpointing.latest_checkpoint(out)
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # what a full disk leaves
+
+    result = launch("text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **COMMON))
+
+    assert f"skipping checkpoint {newest}" in result.stderr
+    previous = checkpointing.checkpoint_name(int(newest.name.split("_")[1]) - 1)
+    assert f"Resumed from {out / 'checkpoints' / previous}" in result.stdout
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, TOTAL_UPDATES + 1))
+    assert max_abs_difference(final_weights(out), final_weights(uninterrupted)) == 0.0
+
+
+def test_two_processes_killed_and_resumed_match_an_uninterrupted_two_process_run(tmp_path, dropout_model_dir, data):
+    settings = {**COMMON, "per_device_train_batch_size": 1}  # 1 × 2 accumulation × 2 processes: the same 4 per update
+    whole = tmp_path / "whole"
+    result = launch("text_classification", tiny_args(dropout_model_dir, data, whole, **settings), num_processes=2)
+    assert "1 micro × 2 accumulation × 2 processes = 4 samples per update" in result.stdout, "not 2 real processes"
+
+    out = tmp_path / "run"
+    process = start(tiny_args(dropout_model_dir, data, out, **settings), num_processes=2)
+    kill_when(process, lambda: completed_updates(out) >= 30, "update 30", delay=random.Random(7).uniform(0, 0.05))
+    assert not (out / "final").exists()
+    result = launch("text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **settings), num_processes=2)
+    resumed_at = int(result.stdout.split(" at update ")[1].split()[0])
+    assert resumed_at < TOTAL_UPDATES, "nothing was left to resume"
+
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, TOTAL_UPDATES + 1))
+    assert max_abs_difference(final_weights(out), final_weights(whole)) == 0.0
+
+
+def test_a_failed_checkpoint_write_stops_with_a_clear_error_and_keeps_the_previous_one(tmp_path, dropout_model_dir, data, uninterrupted):
+    """A disk that fills up mid-save, simulated with RLIMIT_FSIZE: writes past the limit fail with EFBIG."""
+    out = tmp_path / "run"
+    process = start(tiny_args(dropout_model_dir, data, out, **COMMON))
+    kill_when(process, lambda: completed_updates(out) >= 3, "update 3")
+    previous = checkpointing.latest_checkpoint(out)
+    model_bytes = (previous / "model.safetensors").stat().st_size
+    before = checkpointing.checkpoint_problem(previous)
+    assert before is None
+
+    def small_disk():
+        # The model file still fits; the optimizer state (twice its size) does not.
+        resource.setrlimit(resource.RLIMIT_FSIZE, (model_bytes + 4096, model_bytes + 4096))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write with EFBIG instead of killing the process
+
+    cmd, env = launch_command("text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **COMMON))
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, preexec_fn=small_disk)
+
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "could not write checkpoint" in errors[0] and f"from the intact {previous}" in errors[0], result.stderr[-3000:]
+    assert 'text_classification.py", line' not in result.stderr, "a traceback from the recipe"
+    assert checkpointing.latest_checkpoint(out) == previous and checkpointing.checkpoint_problem(previous) is None
+    assert not list((out / "checkpoints").glob(".tmp-*")), "the partial checkpoint was left behind"
+
+    launch("text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **COMMON))
+    assert max_abs_difference(final_weights(out), final_weights(uninterrupted)) == 0.0
