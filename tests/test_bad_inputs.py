@@ -28,7 +28,6 @@ from conftest import (
     snapshot,
     tiny_args,
     tiny_lm_args,
-    write_jsonl,
 )
 
 from ft_accum import checkpointing

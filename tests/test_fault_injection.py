@@ -135,7 +135,7 @@ def test_three_seeded_kills_then_resume_is_bit_identical(tmp_path, dropout_model
     # A random delay after update k is logged puts the kill somewhere inside update k + 1 (or its checkpoint).
     for target, command in ((first, args), (second, resume)):
         process = start(command)
-        kill_when(process, lambda: completed_updates(out) >= target, f"update {target}", delay=rng.uniform(0, 0.05))
+        kill_when(process, lambda target=target: completed_updates(out) >= target, f"update {target}", delay=rng.uniform(0, 0.05))
     # The third kill lands while checkpoint step_<during_write> is being written: its .tmp folder exists.
     tmp = out / "checkpoints" / f".tmp-{checkpointing.checkpoint_name(during_write)}"
     process = start(resume)

@@ -5,17 +5,12 @@ they differ only in summation order (micro-batch shapes, padding lengths, the al
 """
 
 import json
-import os
-import signal
-import subprocess
-import time
 
 import pytest
 from conftest import (
     assert_same_run,
     final_weights,
     launch,
-    launch_command,
     make_rows,
     read_metrics,
     relative_error,
