@@ -223,11 +223,17 @@ def check_resume_signature(saved: dict[str, Any] | None, current: dict[str, Any]
             f"checkpoint {checkpoint} was saved from a different model ({saved['model']}, this run builds {current['model']}); "
             "resume with the same --model_name_or_path and settings, or use a new --output_dir"
         )
-    for key, flag in (("effective_batch_size", "--effective_batch_size"), ("num_processes", "--num_processes"), ("seed", "--seed"), ("optim", "--optim")):
+    reasons = {
+        "effective_batch_size": "the update count, LR schedule and data position are counted in updates of that batch",
+        "num_processes": "the per-process RNG and sampler states would not line up",
+        "seed": "the sample order would change mid-run",
+        "optim": "its saved optimizer state belongs to the other optimizer",
+    }
+    for key, reason in reasons.items():
         if saved.get(key) != current[key]:
             raise ConfigError(
-                f"checkpoint {checkpoint} was trained with {key} {saved[key]}, this run has {current[key]}: the update count, "
-                f"LR schedule and data position would no longer match; resume with {flag} {saved[key]}, or start a new --output_dir"
+                f"checkpoint {checkpoint} was trained with {key} {saved.get(key)}, this run has {current[key]}: {reason}; "
+                f"resume with --{key} {saved.get(key)}, or start a new --output_dir"
             )
     if (saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"]) != (
         current["per_device_train_batch_size"], current["gradient_accumulation_steps"]):

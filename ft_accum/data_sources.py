@@ -76,7 +76,7 @@ def drop_empty_rows(raw: datasets.DatasetDict, *columns: str) -> datasets.Datase
         if len(ds) == 0:
             raise ConfigError(
                 f"the {split} split is empty after dropping the {len(raw[split])} row(s) with an empty {' or '.join(columns)}; "
-                f"check that --{'/'.join(columns)} name the right columns and that the file has values in them"
+                f"check that the file has values in column(s) {', '.join(columns)}, or pass the right column names"
             )
     return filtered
 
