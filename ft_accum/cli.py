@@ -1,0 +1,102 @@
+"""`ft-accum`: command-line tools that sit beside the recipes.
+
+    ft-accum plan --model gpt2-124m --task causal_lm --seq_len 512 --effective_batch_size 64 --gpu_memory 12GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ft_accum.errors import ConfigError
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from ft_accum import memory_planner
+
+    started = time.perf_counter()
+    result = memory_planner.plan(
+        args.config or args.model, task=args.task, seq_len=args.seq_len, effective_batch_size=args.effective_batch_size,
+        gpu_memory_gib=memory_planner.parse_memory(args.gpu_memory), num_processes=args.num_processes, precision=args.precision,
+        optimizer=args.optimizer, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules,
+    )
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(format_plan(result))
+    return 0
+
+
+def format_plan(result: dict) -> str:
+    """The candidates as an aligned table, the recommendation last."""
+    lines = [
+        f"{result['model']} · {result['task']} · {result['seq_len']} tokens · effective batch {result['effective_batch_size']} "
+        f"· {result['precision']} · {result['optimizer']}" + (f" · LoRA r={result['lora_r']}" if result["lora_r"] else "")
+        + f" · card {result['gpu_memory_gib']:g} GiB (fits: {result['margin']})",
+        "",
+        f"{'micro':>5} {'accum':>5} {'ckpt':>4} {'peak GiB':>9} {'weights+opt':>11} {'fits':>4} {'rel. speed':>10}",
+    ]
+    for r in result["candidates"]:
+        b = r["breakdown_gib"]
+        lines.append(
+            f"{r['per_device_train_batch_size']:>5} {r['gradient_accumulation_steps']:>5} {'on' if r['gradient_checkpointing'] else 'off':>4} "
+            f"{r['peak_gib']:>9.2f} {b['parameters'] + b['optimizer_state']:>11.2f} {'yes' if r['fits'] else 'no':>4} {r['relative_throughput']:>10.2f}"
+        )
+    best = result["recommended"]
+    lines.append("")
+    if best:
+        lines.append(
+            f"recommended: --per_device_train_batch_size {best['per_device_train_batch_size']} --gradient_accumulation_steps "
+            f"{best['gradient_accumulation_steps']}" + (" --gradient_checkpointing" if best["gradient_checkpointing"] else "")
+            + f"  (predicted peak {best['peak_gib']:.2f} GiB)"
+        )
+    else:
+        lines.append("nothing fits: try --precision bf16, --lora_r 16, --optimizer adamw_8bit, a shorter --seq_len, or a smaller model")
+    lines.append(f"(a prediction from a traced step on fake tensors, in {result['seconds']} s; see ft_accum/memory_planner.py for its limits)")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ft_accum import memory_planner
+
+    parser = argparse.ArgumentParser(prog="ft-accum", description="Tools for exact gradient accumulation on one small GPU.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = commands.add_parser(
+        "plan", help="predict peak GPU memory and pick micro-batch × accumulation × checkpointing",
+        description="Trace one training step on fake tensors (no GPU, no weights, no download) and list every exact split of "
+                    "the effective batch with its predicted peak memory. Shipped configs: " + ", ".join(memory_planner.shipped_config_names()),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    plan.add_argument("--model", default="gpt2-124m", help="a shipped config name, a local folder or config.json, or a hub name (online)")
+    plan.add_argument("--config", default=None, help="path to a config.json (overrides --model); the offline way for any model")
+    plan.add_argument("--task", default="causal_lm", choices=memory_planner.TASKS)
+    plan.add_argument("--seq_len", type=int, default=512, help="tokens per sample (padded length)")
+    plan.add_argument("--effective_batch_size", type=int, default=64, help="samples per optimizer update")
+    plan.add_argument("--gpu_memory", default="12GiB", help="memory of one card, e.g. 12GiB")
+    plan.add_argument("--num_processes", type=int, default=1, help="GPUs (data parallel); the plan is per GPU")
+    plan.add_argument("--precision", default="bf16-mixed", choices=memory_planner.PRECISIONS)
+    plan.add_argument("--optimizer", default="adamw", choices=memory_planner.OPTIMIZERS)
+    plan.add_argument("--lora_r", type=int, default=None, help="plan a LoRA run of this rank (needs peft)")
+    plan.add_argument("--lora_target_modules", default="all-linear")
+    plan.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
+    plan.set_defaults(handler=plan_command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("seq_len", "effective_batch_size", "num_processes", "lora_r"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise SystemExit(f"error: --{name} must be ≥ 1, got {value}")
+    try:
+        return args.handler(args)
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
