@@ -18,3 +18,37 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+_OOM_MESSAGES = ("out of memory", "can't allocate memory", "DefaultCPUAllocator", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A CUDA OOM (`torch.OutOfMemoryError`) or an allocator refusal reported as a RuntimeError
+    (the CPU allocator: "DefaultCPUAllocator: can't allocate memory"; cuBLAS workspace failures)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
+
+
+def shrink_micro_batch(per_device_train_batch_size: int, gradient_accumulation_steps: int) -> tuple[int, int]:
+    """Divide the micro-batch by its smallest prime factor p (2 when even) and multiply the
+    accumulation by p: micro × accumulation, hence the effective batch and the LR, stay the same."""
+    from ft_accum.errors import ConfigError
+
+    if per_device_train_batch_size <= 1:
+        raise ConfigError(
+            "out of memory at micro-batch 1, so the micro-batch cannot shrink further; try --gradient_checkpointing, "
+            "a shorter --max_seq_length/--block_size, LoRA, or bf16 (ft-accum plan predicts what fits)"
+        )
+    p = next(d for d in range(2, per_device_train_batch_size + 1) if per_device_train_batch_size % d == 0)
+    return per_device_train_batch_size // p, gradient_accumulation_steps * p
+
+
+def free_memory(device: torch.device) -> None:
+    """Return what the failed step held: drop Python references first, then the CUDA cache."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -42,7 +42,7 @@ from ft_accum.arguments import parse_config, require_at_least
 from ft_accum.banner import format_banner
 from ft_accum.data_sources import check_columns, check_text_column, drop_empty_rows, label_names, load_hub_dataset, load_local_files, with_validation_split
 from ft_accum.errors import ConfigError
-from ft_accum.memory import peak_memory_gb
+from ft_accum.memory import free_memory, is_out_of_memory, peak_memory_gb, shrink_micro_batch
 from ft_accum.loss_normalization import check_finite_window, check_skipped_updates, scale_gradients_, window_gradient_scale
 from ft_accum.lr_scaling import POLICIES, describe_lr_scaling, scale_learning_rate
 from ft_accum.lr_schedule import build_lr_scheduler
@@ -80,6 +80,7 @@ class TrainConfig:
     num_train_epochs: int = field(default=3, metadata={"help": "Passes over the training set."})
     max_train_steps: Optional[int] = field(default=None, metadata={"help": "Stop after this many optimizer updates (overrides epochs)."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward: less memory, ~30%% slower."})
+    auto_micro_batch: bool = field(default=False, metadata={"help": "On out-of-memory, halve the micro-batch and double the accumulation (same effective batch and LR) and retry the update. One process: with several, an OOM on one rank alone would leave the others waiting."})
     seed: int = field(default=42, metadata={"help": "Seeds the init and the sample order (the order does not depend on the batch split)."})
     output_dir: str = field(default="outputs/text_classification", metadata={"help": "Where final/, checkpoints/ and metrics go."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Replace the run already in --output_dir (refused otherwise)."})
@@ -234,7 +235,8 @@ def train(cfg):
         mixed_precision=accelerator.mixed_precision, gradient_checkpointing=cfg.gradient_checkpointing,
         num_update_steps=num_update_steps, num_train_epochs=num_epochs, updates_per_epoch=updates_per_epoch,
         mean_tokens_per_sample=mean_tokens, extra={"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}",
-                                                   **({"trust_remote_code": "ON: the model's own Python code ran"} if cfg.trust_remote_code else {})},
+                                                   **({"trust_remote_code": "ON: the model's own Python code ran"} if cfg.trust_remote_code else {}),
+               **({"auto micro-batch": "on: out of memory halves the micro-batch, doubles the accumulation"} if cfg.auto_micro_batch else {})},
     ))
     if report_to:
         accelerator.init_trackers("text_classification", config={k: v for k, v in asdict(cfg).items() if isinstance(v, (int, float, str, bool))})
@@ -258,34 +260,59 @@ def train(cfg):
     model.train()
     eval_metrics, started = {}, time.perf_counter() - state["train_seconds"]
     window_started = time.perf_counter()
-    for epoch in range(state["step"] // updates_per_epoch, num_epochs):
+    micro = cfg.per_device_train_batch_size  # --auto_micro_batch may shrink it (and grow the accumulation) on OOM
+    epoch = state["step"] // updates_per_epoch
+    while epoch < num_epochs:
         train_dataloader.set_epoch(epoch)
         seen = checkpointing.batches_to_skip(state["step"], epoch, updates_per_epoch, accumulation)
         batches = accelerator.skip_first_batches(train_dataloader, seen) if seen else train_dataloader
         window = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # summed loss, samples, non-pad tokens
         micro_losses = []  # this process's, to name the micro-batch if the loss turns non-finite
+        out_of_memory = False
         for batch in batches:
-            with accelerator.accumulate(model):
-                labels = batch.pop("labels")
-                logits = model(**batch).logits.float()
-                # A sum, not a mean: the window's true sample count divides it at the sync step.
-                loss_sum = F.cross_entropy(logits, labels, reduction="sum")
-                window[0] += loss_sum.detach()
-                micro_losses.append(loss_sum.detach())
-                window[1] += len(labels)
-                window[2] += batch["attention_mask"].sum()
-                accelerator.backward(loss_sum / cfg.per_device_train_batch_size)
-                if accelerator.sync_gradients:
-                    loss_total, samples, tokens = accelerator.reduce(window, reduction="sum").tolist()
-                    if accelerator.mixed_precision != "fp16":  # fp16 overflow is the grad scaler's to skip, and counted below
-                        check_finite_window(loss_total, torch.stack(micro_losses).tolist(), state["step"] + 1, accelerator.process_index, last_checkpoint)
-                    # Undo backward's /N and DDP's /P and divide by the real sample count: exact for the
-                    # short last window too, which Accelerate divides by N anyway (see loss_normalization).
-                    scale_gradients_(model.parameters(), window_gradient_scale(samples, cfg.per_device_train_batch_size, accumulation, num_processes))
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-                optimizer.step()
-                lr_scheduler.step()
-                optimizer.zero_grad()
+            try:
+                with accelerator.accumulate(model):
+                    labels = batch.pop("labels")
+                    logits = model(**batch).logits.float()
+                    # A sum, not a mean: the window's true sample count divides it at the sync step.
+                    loss_sum = F.cross_entropy(logits, labels, reduction="sum")
+                    window[0] += loss_sum.detach()
+                    micro_losses.append(loss_sum.detach())
+                    window[1] += len(labels)
+                    window[2] += batch["attention_mask"].sum()
+                    accelerator.backward(loss_sum / micro)
+                    if accelerator.sync_gradients:
+                        loss_total, samples, tokens = accelerator.reduce(window, reduction="sum").tolist()
+                        if accelerator.mixed_precision != "fp16":  # fp16 overflow is the grad scaler's to skip, and counted below
+                            check_finite_window(loss_total, torch.stack(micro_losses).tolist(), state["step"] + 1, accelerator.process_index, last_checkpoint)
+                        # Undo backward's /N and DDP's /P and divide by the real sample count: exact for the
+                        # short last window too, which Accelerate divides by N anyway (see loss_normalization).
+                        scale_gradients_(model.parameters(), window_gradient_scale(samples, micro, accumulation, num_processes))
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad()
+            except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is a CPU allocator refusal
+                if not (cfg.auto_micro_batch and is_out_of_memory(exc)):
+                    raise
+                # The optimizer has not stepped in this window: drop its partial gradients and run the
+                # same update again as more, smaller micro-batches. The sample order does not depend on
+                # the split, so the remaining updates see exactly the samples they would have.
+                batch = labels = logits = loss_sum = None
+                optimizer.zero_grad(set_to_none=True)
+                free_memory(accelerator.device)
+                old_micro = micro
+                micro, accumulation = shrink_micro_batch(micro, accumulation)
+                accelerator.gradient_accumulation_steps = accumulation
+                accelerator.step = 0  # the window restarts
+                signature.update(per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
+                train_dataloader = accelerator.prepare(DataLoader(
+                    train_dataloader.dataset, shuffle=True, collate_fn=train_dataloader.collate_fn, batch_size=micro,
+                    generator=torch.Generator().manual_seed(cfg.seed)))
+                accelerator.print(f"out of memory at micro-batch {old_micro}: now {micro} micro × {accumulation} accumulation × "
+                                  f"{num_processes} process(es), still {effective} per update; retrying update {state['step'] + 1}")
+                out_of_memory = True
+                break
 
             if accelerator.sync_gradients:
                 window.zero_()
@@ -301,7 +328,8 @@ def train(cfg):
                 now = time.perf_counter()
                 record = {"step": state["step"], "epoch": state["step"] / updates_per_epoch, "loss": loss, "lr": lr_scheduler.get_last_lr()[0],
                           "grad_norm": float(grad_norm), "samples_seen": state["samples_seen"], "tokens_seen": state["tokens_seen"],
-                          "samples_per_second": samples / (now - window_started), "skipped_updates": state["skipped_updates"]}
+                          "samples_per_second": samples / (now - window_started), "skipped_updates": state["skipped_updates"],
+                          "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation}
                 window_started = now
                 if accelerator.is_main_process:
                     append_metrics(output_dir, record)
@@ -315,6 +343,8 @@ def train(cfg):
                     window_started = time.perf_counter()
                 if state["step"] >= num_update_steps:
                     break
+        if out_of_memory:
+            continue  # the same epoch, from the last completed update
 
         eval_start = time.perf_counter()
         eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
@@ -324,12 +354,13 @@ def train(cfg):
         accelerator.log(eval_metrics, step=state["step"])
         if state["step"] >= num_update_steps:
             break
+        epoch += 1
     progress.close()
     train_seconds = time.perf_counter() - started
 
     save_final(accelerator, model, tokenizer, output_dir)
     results = {**eval_metrics, "train_runtime": train_seconds, "train_samples_per_second": state["samples_seen"] / train_seconds,
-               "num_update_steps": state["step"], "effective_batch_size": effective, "per_device_train_batch_size": cfg.per_device_train_batch_size,
+               "num_update_steps": state["step"], "effective_batch_size": effective, "per_device_train_batch_size": micro,
                "gradient_accumulation_steps": accumulation, "num_processes": num_processes, "learning_rate": learning_rate,
                "mixed_precision": accelerator.mixed_precision, "peak_memory_gb": peak_memory_gb(accelerator.device)}
     if accelerator.is_main_process:

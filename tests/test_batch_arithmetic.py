@@ -1,4 +1,5 @@
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -58,3 +59,26 @@ def test_num_update_steps():
     assert num_update_steps(13, 4, num_train_epochs=3, max_train_steps=5) == 5
     with pytest.raises(ConfigError, match="no batches"):
         num_update_steps(0, 4, num_train_epochs=1)
+
+
+def test_shrinking_the_micro_batch_keeps_the_effective_batch():
+    from ft_accum.memory import shrink_micro_batch
+
+    assert shrink_micro_batch(8, 2) == (4, 4)
+    assert shrink_micro_batch(6, 1) == (3, 2)
+    assert shrink_micro_batch(9, 1) == (3, 3)
+    assert shrink_micro_batch(7, 2) == (1, 14)
+    with pytest.raises(ConfigError, match="cannot shrink further"):
+        shrink_micro_batch(1, 32)
+
+
+def test_out_of_memory_errors_are_recognised():
+    from ft_accum.memory import is_out_of_memory
+
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    try:
+        torch.empty(1 << 62, dtype=torch.uint8)
+    except RuntimeError as exc:
+        assert is_out_of_memory(exc)
+    assert not is_out_of_memory(RuntimeError("size mismatch"))
+    assert not is_out_of_memory(ValueError("out of memory"))

@@ -178,3 +178,24 @@ def test_lora_without_peft_names_the_extra(tmp_path, tiny_gpt2_dir, lm_data_file
     monkeypatch.setitem(sys.modules, "peft", None)  # makes `import peft` raise ImportError
     message = error_of("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, use_lora=True))
     assert "--use_lora needs peft" in message and 'pip install -e ".[lm]"' in message
+
+
+def test_auto_micro_batch_recovers_an_lm_update(tmp_path, tiny_gpt2_dir, lm_data_files, monkeypatch):
+    """As for classification: an allocation refused whenever the micro-batch exceeds 2, in update 2."""
+    from transformers import GPT2LMHeadModel
+
+    forward, calls = GPT2LMHeadModel.forward, {"training": 0}
+
+    def forward_that_runs_out_of_memory(self, input_ids=None, **kwargs):
+        if self.training:
+            calls["training"] += 1
+            if input_ids.shape[0] > 2 and calls["training"] >= 4:
+                torch.empty(1 << 62, dtype=torch.uint8)  # the CPU allocator refuses this
+        return forward(self, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(GPT2LMHeadModel, "forward", forward_that_runs_out_of_memory)
+    auto, reference = tmp_path / "auto", tmp_path / "reference"
+    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, auto, per_device_train_batch_size=4, effective_batch_size=8, auto_micro_batch=True))
+    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, reference, per_device_train_batch_size=2, effective_batch_size=8))
+    assert [r["per_device_train_batch_size"] for r in read_metrics(auto)] == [4, 2, 2]
+    assert_same_run(auto, reference)

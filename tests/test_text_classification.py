@@ -7,6 +7,7 @@ they differ only in summation order (micro-batch shapes, padding lengths, the al
 import json
 
 import pytest
+import torch
 from conftest import (
     assert_same_run,
     final_weights,
@@ -130,7 +131,7 @@ def test_outputs_load_with_from_pretrained_and_pipeline(full_batch_run):
     assert prediction[0]["label"] in {"money", "sport", "tech"}
 
     records = read_metrics(full_batch_run)
-    assert set(records[0]) == {"step", "epoch", "loss", "lr", "grad_norm", "samples_seen", "tokens_seen", "samples_per_second", "skipped_updates"}
+    assert set(records[0]) == {"step", "epoch", "loss", "lr", "grad_norm", "samples_seen", "tokens_seen", "samples_per_second", "skipped_updates", "per_device_train_batch_size", "gradient_accumulation_steps"}
     assert [m["samples_seen"] for m in records] == [8, 16, 24, 32, 40, 48]
     results = json.loads((full_batch_run / "all_results.json").read_text())
     for key in ("eval_accuracy", "eval_macro_f1", "train_runtime", "train_samples_per_second", "effective_batch_size", "learning_rate"):
@@ -153,3 +154,44 @@ def test_tensorboard_logs_when_asked(tmp_path, tiny_model_dir, data_files):
     pytest.importorskip("tensorboard")
     run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, report_to="tensorboard", max_train_steps=2))
     assert list(tmp_path.rglob("events.out.tfevents.*")), "no TensorBoard event file written"
+
+
+@pytest.mark.parametrize("failure", ["cpu_allocator_refusal", "cuda_out_of_memory"])
+def test_auto_micro_batch_retries_the_update_with_the_same_effective_batch(tmp_path, tiny_model_dir, data_files, monkeypatch, failure):
+    """An allocation fails in the 2nd micro-batch of update 3 whenever the micro-batch exceeds 4.
+    The run halves the micro-batch, doubles the accumulation and retries update 3; it must then
+    match a run started at micro-batch 4 (same samples per update, same weights)."""
+    from transformers import BertForSequenceClassification
+
+    forward, calls = BertForSequenceClassification.forward, {"training": 0}
+
+    def forward_that_runs_out_of_memory(self, input_ids=None, **kwargs):
+        if self.training:
+            calls["training"] += 1
+            if input_ids.shape[0] > 4 and calls["training"] >= 6:
+                if failure == "cpu_allocator_refusal":
+                    torch.empty(1 << 62, dtype=torch.uint8)  # the CPU allocator really refuses this
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(self, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(BertForSequenceClassification, "forward", forward_that_runs_out_of_memory)
+    common = {"effective_batch_size": 16, "num_train_epochs": 2}
+    auto, reference = tmp_path / "auto", tmp_path / "reference"
+    results = run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, auto, per_device_train_batch_size=8, auto_micro_batch=True, **common))
+    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, reference, per_device_train_batch_size=4, **common))
+
+    records = read_metrics(auto)
+    assert [(r["per_device_train_batch_size"], r["gradient_accumulation_steps"]) for r in records] == [(8, 2), (8, 2), (4, 4), (4, 4), (4, 4), (4, 4)]
+    assert results["effective_batch_size"] == 16 and results["per_device_train_batch_size"] == 4
+    assert_same_run(auto, reference)
+
+
+def test_without_auto_micro_batch_an_out_of_memory_error_propagates(tmp_path, tiny_model_dir, data_files, monkeypatch):
+    from transformers import BertForSequenceClassification
+
+    def out_of_memory(self, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(BertForSequenceClassification, "forward", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=8))
