@@ -1,6 +1,7 @@
 """`ft-accum`: command-line tools that sit beside the recipes.
 
     ft-accum plan --model gpt2-124m --task causal_lm --seq_len 512 --effective_batch_size 64 --gpu_memory 12GiB
+    ft-accum sweep sweeps/example.yaml [--dry-run] [--time_budget 8h]
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ def plan_command(args: argparse.Namespace) -> int:
         return 0
     print(format_plan(result))
     return 0
+
+
+def sweep_command(args: argparse.Namespace) -> int:
+    from ft_accum.sweep import run_sweep
+
+    state = run_sweep(args.sweep_file, dry_run=args.dry_run, time_budget=args.time_budget)
+    return 1 if any(r["status"] == "failed" for r in state["runs"].values()) else 0
 
 
 def format_plan(result: dict) -> str:
@@ -83,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--lora_target_modules", default="all-linear")
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     plan.set_defaults(handler=plan_command)
+
+    from ft_accum import sweep
+
+    sweep_parser = commands.add_parser(
+        "sweep", help="run a grid or list of recipe runs one after another; rerun to resume",
+        description=sweep.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sweep_parser.add_argument("sweep_file", help="the sweep YAML")
+    sweep_parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="print the runs and their status; run nothing")
+    sweep_parser.add_argument("--time_budget", default=None, help="e.g. 8h: start no run that would not finish in the time left (estimated from finished runs)")
+    sweep_parser.set_defaults(handler=sweep_command)
     return parser
 
 

@@ -1,6 +1,7 @@
 """Every shipped YAML parses, and every recipe's docstring launch command runs as written."""
 
 import shlex
+from pathlib import Path
 import subprocess
 import sys
 
@@ -66,3 +67,10 @@ def test_help_lists_the_flags(recipe):
     assert "accelerate launch" in result.stdout  # the docstring, launch command first
     for flag in ("--per_device_train_batch_size", "--effective_batch_size", "--base_batch_size", "--resume_from_checkpoint"):
         assert flag in result.stdout
+
+
+def test_the_example_sweep_file_is_valid():
+    from ft_accum.sweep import load_sweep
+
+    sweep = load_sweep(ROOT / "recipes" / "configs" / "sweep_text_classification.yaml")
+    assert len(sweep["runs"]) == 4 and Path(sweep["accelerate_config"]).is_file()

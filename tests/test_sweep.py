@@ -1,0 +1,179 @@
+"""`ft-accum sweep`: through the real CLI, each run through the real `accelerate launch`, on CPU."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from conftest import CPU_CONFIG, ROOT, final_weights, max_abs_difference, run_in_process, tiny_args
+
+from ft_accum import sweep as sweep_module
+from ft_accum.cli import main as cli_main
+
+TINY = {"max_seq_length": 48, "learning_rate": 1e-3, "lr_scaling": "none", "num_warmup_steps": 0, "weight_decay": 0.0, "num_train_epochs": 1,
+        "report_to": "none", "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
+
+
+def write_sweep(tmp_path, tiny_model_dir, data_files, name="sweep.yaml", **spec):
+    base = {**TINY, "model_name_or_path": str(tiny_model_dir), "train_file": str(data_files["train"]),
+            "validation_file": str(data_files["validation"]), **spec.pop("base", {})}
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump({"recipe": "text_classification", "accelerate_config": str(CPU_CONFIG),
+                                    "output_dir": str(tmp_path / "sweep_out"), "base": base, **spec}))
+    return path
+
+
+def sweep_command(path, *extra):
+    return [sys.executable, "-m", "ft_accum.cli", "sweep", str(path), *extra]
+
+
+def read_results(tmp_path):
+    with open(tmp_path / "sweep_out" / "results.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def read_state(tmp_path):
+    return json.loads((tmp_path / "sweep_out" / "sweep_state.json").read_text())["runs"]
+
+
+@pytest.mark.launch
+def test_a_grid_of_four_runs_finishes_with_real_metrics(tmp_path, tiny_model_dir, data_files):
+    path = write_sweep(tmp_path, tiny_model_dir, data_files, base={"max_train_steps": 2}, grid={"learning_rate": [1e-3, 3e-3], "seed": [1, 2]})
+    result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = read_results(tmp_path)
+    assert [r["run"] for r in rows] == ["lr=0.001_seed=1", "lr=0.001_seed=2", "lr=0.003_seed=1", "lr=0.003_seed=2"]
+    assert all(r["status"] == "ok" and 0.0 <= float(r["eval_accuracy"]) <= 1.0 and r["updates"] == "2" for r in rows)
+    assert len({r["eval_loss"] for r in rows}) == 4, "four different runs should not give identical losses"
+    assert "[run 1/4]" in result.stdout and "sweep done: 4 ok" in result.stdout
+    assert (tmp_path / "sweep_out" / "results.md").read_text().count("| ok |") == 4
+
+
+@pytest.mark.launch
+def test_one_failing_run_leaves_the_others_finished(tmp_path, tiny_model_dir, data_files):
+    runs = [{"seed": 1}, {"seed": 2, "model_name_or_path": str(tmp_path / "no-such-model")}, {"seed": 3}, {"seed": 4}]
+    path = write_sweep(tmp_path, tiny_model_dir, data_files, base={"max_train_steps": 1}, runs=runs)
+    result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 1
+    state = read_state(tmp_path)
+    assert [r["status"] for r in state.values()] == ["ok", "failed", "ok", "ok"]
+    failed = list(state.values())[1]
+    assert failed["error"].startswith("error: --model_name_or_path") and "does not exist" in failed["error"]
+    assert any("does not exist" in line for line in failed["log_tail"])
+
+
+@pytest.mark.launch
+def test_a_run_that_runs_out_of_memory_is_replanned_with_the_same_effective_batch(tmp_path, tiny_model_dir, data_files):
+    # Fault injection in the child processes: any training forward with more than 4 samples fails
+    # as a CUDA OOM would. The recipe runs without --auto_micro_batch, so the run dies of it.
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if 'text_classification' in ' '.join(sys.argv):\n"
+        "    import torch\n"
+        "    from transformers import BertForSequenceClassification\n"
+        "    forward = BertForSequenceClassification.forward\n"
+        "    def limited(self, input_ids=None, **kwargs):\n"
+        "        if self.training and input_ids.shape[0] > 4:\n"
+        "            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+        "        return forward(self, input_ids=input_ids, **kwargs)\n"
+        "    BertForSequenceClassification.forward = limited\n"
+    )
+    path = write_sweep(tmp_path, tiny_model_dir, data_files, base={"max_train_steps": 2, "gradient_accumulation_steps": None},
+                       runs=[{"per_device_train_batch_size": 8, "effective_batch_size": 16}])
+    spec = yaml.safe_load(path.read_text())
+    spec["base"] = {k: v for k, v in spec["base"].items() if v is not None}
+    path.write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-3000:]
+    (record,) = read_state(tmp_path).values()
+    assert record["status"] == "replanned" and record["attempts"] == 2
+    assert record["replanned_args"]["per_device_train_batch_size"] == 4
+    (row,) = read_results(tmp_path)
+    assert row["effective_batch_size"] == "16" and row["per_device_train_batch_size"] == "4" and row["status"] == "replanned"
+
+
+@pytest.mark.launch
+def test_a_killed_sweep_resumes_without_repeating_finished_runs(tmp_path, tiny_model_dir, data_files):
+    path = write_sweep(tmp_path, tiny_model_dir, data_files, base={"checkpointing_steps": 1, "per_device_train_batch_size": 2},
+                       grid={"seed": [1, 2, 3, 4]})
+    out = tmp_path / "sweep_out"
+    process = subprocess.Popen(sweep_command(path), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while not (out / "seed=2" / "checkpoints" / "step_000003").exists():
+        assert process.poll() is None and time.time() < deadline, "the sweep ended before run 2 could be interrupted"
+        time.sleep(0.01)
+    tree = sweep_module._process_tree(process.pid)
+    for pid in tree:  # SIGKILL the sweep and everything under it, as a power cut would
+        os.kill(pid, signal.SIGSTOP)
+    for pid in tree:
+        os.kill(pid, signal.SIGKILL)
+    process.wait()
+    time.sleep(0.5)
+    assert not (out / "seed=2" / "all_results.json").exists(), "run 2 finished before the kill"
+    run_1_results = (out / "seed=1" / "all_results.json").read_text()
+
+    result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:]
+    state = read_state(tmp_path)
+    assert [r["status"] for r in state.values()] == ["ok"] * 4
+    assert state["seed=1"]["attempts"] == 1 and (out / "seed=1" / "all_results.json").read_text() == run_1_results
+    assert state["seed=2"]["attempts"] == 2 and "Resumed from" in (out / "seed=2" / "log.txt").read_text()
+    # Run 2, resumed, ends where an uninterrupted run with its settings ends.
+    whole = tmp_path / "whole"
+    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, whole, **{**TINY, "checkpointing_steps": 1,
+                                                                                        "per_device_train_batch_size": 2, "seed": 2}))
+    assert max_abs_difference(final_weights(out / "seed=2"), final_weights(whole)) == 0.0
+
+
+def test_an_edited_sweep_file_is_detected(tmp_path, tiny_model_dir, data_files, capsys):
+    path = write_sweep(tmp_path, tiny_model_dir, data_files, grid={"learning_rate": [1e-3, 3e-3]})
+    sweep = sweep_module.load_sweep(path)
+    (tmp_path / "sweep_out").mkdir()
+    state = sweep_module.reconcile_state(sweep, tmp_path / "sweep_out")
+    state["runs"]["lr=0.001"]["status"] = "ok"
+    sweep_module.write_state(tmp_path / "sweep_out", state)
+
+    # A new grid value: a new run is added, the finished one stays finished.
+    path.write_text(path.read_text().replace("- 0.003", "- 0.003\n  - 0.01"))
+    cli_main(["sweep", str(path), "--dry-run"])
+    listing = capsys.readouterr().out
+    assert "3 run(s)" in listing and "lr=0.001" in listing and "ok" in listing and "lr=0.01 " in listing
+    assert sweep_module.reconcile_state(sweep_module.load_sweep(path), tmp_path / "sweep_out")["runs"]["lr=0.01"]["status"] == "pending"
+
+    # A changed base setting changes runs already queued: refused, not mixed.
+    path.write_text(path.read_text().replace("num_train_epochs: 1", "num_train_epochs: 2"))
+    with pytest.raises(SystemExit, match="changed the settings of run"):
+        cli_main(["sweep", str(path)])
+
+
+@pytest.mark.parametrize("spec, argv, message", [
+    ({"recipe": "no_such_recipe"}, [], "unknown recipe 'no_such_recipe'"),
+    ({"grid": {"learning_rat": [1e-3]}}, [], "learning_rat is not a setting of text_classification.py"),
+    ({"grid": {}}, [], "the grid is empty"),
+    ({"grid": {"learning_rate": []}}, [], "the grid is empty"),
+    ({"grid": {"seed": [1]}}, ["--time_budget", "eight hours"], "cannot read the duration 'eight hours'"),
+])
+def test_sweep_bad_input_fails_before_anything_runs(tmp_path, tiny_model_dir, data_files, spec, argv, message):
+    path = write_sweep(tmp_path, tiny_model_dir, data_files, **spec)
+    if "recipe" in spec:
+        contents = yaml.safe_load(path.read_text())
+        contents["recipe"] = spec["recipe"]
+        path.write_text(yaml.safe_dump(contents))
+    with pytest.raises(SystemExit) as error:
+        cli_main(["sweep", str(path), *argv])
+    assert message in str(error.value) and str(error.value).startswith("error: ")
+    assert not (tmp_path / "sweep_out" / "sweep_state.json").exists()
+
+
+def test_time_budget_parsing():
+    assert sweep_module.parse_duration("8h") == 8 * 3600
+    assert sweep_module.parse_duration("1h30m") == 5400 and sweep_module.parse_duration("45s") == 45
+    assert sweep_module.parse_duration(90) == 90
