@@ -303,17 +303,24 @@ def _run_once(sweep: dict, name: str, args: dict, output_dir: Path, position: in
         log.write(f"\n$ {' '.join(command)}\n")
         log.flush()
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        last_line = ""
+        last_update, last_print, interactive = -1, 0.0, sys.stdout.isatty()
+        metrics = run_dir / "metrics.jsonl"
+        first_update = len(metrics.read_text().splitlines()) if metrics.exists() else 0
         try:
             while process.poll() is None:
                 if sweep["timeout_per_run"] and time.monotonic() - began > sweep["timeout_per_run"]:
                     kill_run(process)
                     break
-                line = _summary(state, name, run_dir, position, total, began)
-                if line != last_line:
+                update, line = _summary(state, name, run_dir, position, total, began, first_update)
+                # One live line on a terminal; in a log file, a line per new update at most every 30 s.
+                if interactive:
+                    print("\r" + line.ljust(110), end="", flush=True)
+                elif update != last_update and time.monotonic() - last_print >= 30:
                     print(line, flush=True)
-                    last_line = line
+                    last_update, last_print = update, time.monotonic()
                 time.sleep(1)
+            if interactive:
+                print(flush=True)
         except BaseException:
             kill_run(process)  # Ctrl-C or a kill of the sweep: no orphan keeps the GPU
             record["status"] = "interrupted"
@@ -338,14 +345,19 @@ def _run_once(sweep: dict, name: str, args: dict, output_dir: Path, position: in
     return outcome
 
 
-def _summary(state: dict, name: str, run_dir: Path, position: int, total: int, began: float) -> str:
+def _summary(state: dict, name: str, run_dir: Path, position: int, total: int, began: float, first_update: int) -> tuple[int, str]:
+    """(updates done, 'run i of N: update u of U, ETA …, done/failed/left'); U is read from the recipe's banner."""
     done = sum(r["status"] in ("ok", "replanned") for r in state["runs"].values())
     failed = sum(r["status"] == "failed" for r in state["runs"].values())
     metrics = run_dir / "metrics.jsonl"
     update = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    banner = re.findall(r"(\d+) optimizer updates", (run_dir / "log.txt").read_text(errors="replace")) if (run_dir / "log.txt").exists() else []
+    planned = int(banner[-1]) if banner else None
     elapsed = time.monotonic() - began
-    return (f"[run {position}/{total}] {name}: update {update}, {elapsed:.0f} s | done {done}, failed {failed}, "
-            f"left {total - position}")
+    progress = f"update {update}" + (f" of {planned}" if planned else "")
+    if planned and update > first_update:  # the rate of this attempt (a resumed run starts past 0)
+        progress += f", ETA {(planned - update) * elapsed / (update - first_update) / 60:.1f} min"
+    return update, f"[run {position}/{total}] {name}: {progress} | done {done}, failed {failed}, left {total - position}"
 
 
 def write_results(sweep: dict, output_dir: Path, state: dict) -> None:
