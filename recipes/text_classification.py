@@ -47,6 +47,7 @@ from ft_accum.loss_normalization import check_finite_window, check_skipped_updat
 from ft_accum.lr_scaling import POLICIES, describe_lr_scaling, scale_learning_rate
 from ft_accum.lr_schedule import build_lr_scheduler
 from ft_accum.metrics import load_metric
+from ft_accum.noise_scale import advise_effective_batch, noise_scale, noise_scale_terms, register_micro_batch_hooks, update_ema
 from ft_accum.offline_assets import bundled_minilm_dir, load_bbc_news
 from ft_accum.run_outputs import append_metrics, check_mixed_precision, prepare_output_dir, resolve_report_to, save_final, truncate_metrics
 
@@ -80,6 +81,7 @@ class TrainConfig:
     num_train_epochs: int = field(default=3, metadata={"help": "Passes over the training set."})
     max_train_steps: Optional[int] = field(default=None, metadata={"help": "Stop after this many optimizer updates (overrides epochs)."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward: less memory, ~30%% slower."})
+    measure_noise_scale: bool = field(default=False, metadata={"help": "Log the gradient noise scale (McCandlish et al. 2018) per update and advise on the effective batch; needs accumulation ≥ 2."})
     auto_micro_batch: bool = field(default=False, metadata={"help": "On out-of-memory, halve the micro-batch and double the accumulation (same effective batch and LR) and retry the update. One process: with several, an OOM on one rank alone would leave the others waiting."})
     seed: int = field(default=42, metadata={"help": "Seeds the init and the sample order (the order does not depend on the batch split)."})
     output_dir: str = field(default="outputs/text_classification", metadata={"help": "Where final/, checkpoints/ and metrics go."})
@@ -245,7 +247,7 @@ def train(cfg):
     signature = checkpointing.run_signature(accelerator.unwrap_model(model), effective_batch_size=effective, seed=cfg.seed,
                                             per_device_train_batch_size=cfg.per_device_train_batch_size,
                                             gradient_accumulation_steps=accumulation, num_processes=num_processes, optim=cfg.optim)
-    state = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "train_seconds": 0.0, "skipped_updates": 0, "consecutive_skipped": 0}
+    state = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "train_seconds": 0.0, "skipped_updates": 0, "consecutive_skipped": 0, "noise_scale_ema": None}
     last_checkpoint = None
     if cfg.resume_from_checkpoint:
         saved = checkpointing.resume_training_state(accelerator, cfg.resume_from_checkpoint, output_dir, signature)
@@ -260,6 +262,12 @@ def train(cfg):
     model.train()
     eval_metrics, started = {}, time.perf_counter() - state["train_seconds"]
     window_started = time.perf_counter()
+    if cfg.measure_noise_scale:
+        if accumulation * num_processes < 2:
+            raise ConfigError("--measure_noise_scale compares micro-batch and window gradients, so it needs --gradient_accumulation_steps ≥ 2 (or several processes)")
+        # Hooks see each micro-batch's own gradient before it is added to .grad (ft_accum/noise_scale.py).
+        _, micro_grad_sq = register_micro_batch_hooks(model.parameters())
+        small_sq, micro_count = torch.zeros((), dtype=torch.float64, device=accelerator.device), 0
     micro = cfg.per_device_train_batch_size  # --auto_micro_batch may shrink it (and grow the accumulation) on OOM
     epoch = state["step"] // updates_per_epoch
     while epoch < num_epochs:
@@ -281,6 +289,12 @@ def train(cfg):
                     window[1] += len(labels)
                     window[2] += batch["attention_mask"].sum()
                     accelerator.backward(loss_sum / micro)
+                    if cfg.measure_noise_scale:
+                        # The hooks saw ∇(sum)/(micro·N)·loss scale; this micro-batch's mean gradient is ∇(sum)/n.
+                        loss_scale = accelerator.scaler.get_scale() if accelerator.scaler else 1.0
+                        small_sq += micro_grad_sq * (micro * accumulation / len(labels) / loss_scale) ** 2
+                        micro_grad_sq.zero_()
+                        micro_count += 1
                     if accelerator.sync_gradients:
                         loss_total, samples, tokens = accelerator.reduce(window, reduction="sum").tolist()
                         if accelerator.mixed_precision != "fp16":  # fp16 overflow is the grad scaler's to skip, and counted below
@@ -325,11 +339,20 @@ def train(cfg):
                 check_skipped_updates(state["consecutive_skipped"], cfg.max_consecutive_skipped_updates, state["step"], last_checkpoint)
                 state["samples_seen"] += int(samples)
                 state["tokens_seen"] += int(tokens)
+                noise = {}
+                if cfg.measure_noise_scale:
+                    # Small batch: one micro-batch (per process); big batch: the whole window on all processes.
+                    small = float(accelerator.reduce(small_sq / micro_count, reduction="mean"))  # mean |g_b|² over micro-batches
+                    g2, trace = noise_scale_terms(small, float(grad_norm) ** 2, samples / (micro_count * num_processes), samples)
+                    small_sq.zero_()
+                    micro_count = 0
+                    state["noise_scale_ema"] = update_ema(state["noise_scale_ema"], g2, trace)
+                    noise = {"noise_scale": noise_scale(state["noise_scale_ema"]), "grad_sq_small": small, "grad_sq_big": float(grad_norm) ** 2}
                 now = time.perf_counter()
                 record = {"step": state["step"], "epoch": state["step"] / updates_per_epoch, "loss": loss, "lr": lr_scheduler.get_last_lr()[0],
                           "grad_norm": float(grad_norm), "samples_seen": state["samples_seen"], "tokens_seen": state["tokens_seen"],
                           "samples_per_second": samples / (now - window_started), "skipped_updates": state["skipped_updates"],
-                          "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation}
+                          "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation, **noise}
                 window_started = now
                 if accelerator.is_main_process:
                     append_metrics(output_dir, record)
@@ -357,6 +380,8 @@ def train(cfg):
         epoch += 1
     progress.close()
     train_seconds = time.perf_counter() - started
+    if cfg.measure_noise_scale and state["noise_scale_ema"]:
+        accelerator.print(advise_effective_batch(noise_scale(state["noise_scale_ema"]), effective, "samples"))
 
     save_final(accelerator, model, tokenizer, output_dir)
     results = {**eval_metrics, "train_runtime": train_seconds, "train_samples_per_second": state["samples_seen"] / train_seconds,
