@@ -1,7 +1,8 @@
 """`ft-accum`: command-line tools that sit beside the recipes.
 
     ft-accum plan --model gpt2-124m --task causal_lm --seq_len 512 --effective_batch_size 64 --gpu_memory 12GiB
-    ft-accum sweep sweeps/example.yaml [--dry-run] [--time_budget 8h]
+    ft-accum sweep recipes/configs/sweep_text_classification.yaml [--dry-run] [--time_budget 8h]
+    ft-accum report outputs/sweeps/text_classification [--out DIR]
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def sweep_command(args: argparse.Namespace) -> int:
 
     state = run_sweep(args.sweep_file, dry_run=args.dry_run, time_budget=args.time_budget)
     return 1 if any(r["status"] == "failed" for r in state["runs"].values()) else 0
+
+
+def report_command(args: argparse.Namespace) -> int:
+    from ft_accum.report import make_report
+
+    print(f"wrote {make_report(args.output_dirs, args.out)}")
+    return 0
 
 
 def format_plan(result: dict) -> str:
@@ -102,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="print the runs and their status; run nothing")
     sweep_parser.add_argument("--time_budget", default=None, help="e.g. 8h: start no run that would not finish in the time left (estimated from finished runs)")
     sweep_parser.set_defaults(handler=sweep_command)
+
+    from ft_accum import report
+
+    report_parser = commands.add_parser("report", help="plot and tabulate one or more runs (or a sweep) side by side",
+                                        description=report.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    report_parser.add_argument("output_dirs", nargs="+", help="run output_dirs, or a sweep's output_dir")
+    report_parser.add_argument("--out", default=None, help="where report.md and the PNGs go (default: <run>/report or <sweep>/report)")
+    report_parser.set_defaults(handler=report_command)
     return parser
 
 
