@@ -71,7 +71,8 @@ def register_micro_batch_hooks(parameters: Iterable[torch.nn.Parameter]) -> tupl
     total = torch.zeros((), dtype=torch.float64, device=parameters[0].device)
 
     def add(grad: torch.Tensor) -> None:
-        total.add_(grad.detach().double().pow(2).sum())
+        # vector_norm reduces in one pass without materialising grad², which `pow(2).sum()` would.
+        total.add_(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).double().square())
 
     return [p.register_hook(add) for p in parameters], total
 

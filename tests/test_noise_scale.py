@@ -54,7 +54,7 @@ def test_the_hooks_do_not_change_the_gradient():
     handles, total = register_micro_batch_hooks(model.parameters())
     torch.nn.functional.mse_loss(model(x), y).backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters()))
-    assert float(total) == pytest.approx(sum(float(g.double().pow(2).sum()) for g in plain), rel=1e-12)
+    assert float(total) == pytest.approx(sum(float(g.double().pow(2).sum()) for g in plain), rel=1e-6)
     for handle in handles:
         handle.remove()
 
