@@ -72,7 +72,8 @@ def register_micro_batch_hooks(parameters: Iterable[torch.nn.Parameter]) -> tupl
 
     def add(grad: torch.Tensor) -> None:
         # vector_norm reduces in one pass without materialising grad², which `pow(2).sum()` would.
-        total.add_(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).double().square())
+        half = grad.dtype in (torch.float16, torch.bfloat16)  # accumulate those in fp32
+        total.add_(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32 if half else None).double().square())
 
     return [p.register_hook(add) for p in parameters], total
 
