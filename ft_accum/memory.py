@@ -52,3 +52,28 @@ def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def retry_with_smaller_micro_batch(accelerator, optimizer, train_dataloader, per_device_train_batch_size: int,
+                                   gradient_accumulation_steps: int, seed: int):
+    """After an out-of-memory error inside an accumulation window: the same update, smaller micro-batches.
+
+    The optimizer has not stepped in this window, so its partial gradients are dropped; the
+    micro-batch shrinks and the accumulation grows by the same factor (`shrink_micro_batch`), so
+    the effective batch and the LR do not change. The sample order does not depend on the split
+    (seedable sampler), so the caller re-enters the epoch at its last completed update and every
+    later update sees exactly the samples it would have. Returns (train_dataloader, micro, accumulation).
+    """
+    from torch.utils.data import DataLoader
+
+    optimizer.zero_grad(set_to_none=True)
+    free_memory(accelerator.device)
+    micro, accumulation = shrink_micro_batch(per_device_train_batch_size, gradient_accumulation_steps)
+    accelerator.gradient_accumulation_steps = accumulation
+    accelerator.step = 0  # the window restarts
+    dataloader = accelerator.prepare(DataLoader(
+        train_dataloader.dataset, shuffle=True, collate_fn=train_dataloader.collate_fn, batch_size=micro,
+        generator=torch.Generator().manual_seed(seed)))
+    accelerator.print(f"out of memory at micro-batch {per_device_train_batch_size}: now {micro} micro × {accumulation} accumulation "
+                      f"× {accelerator.num_processes} process(es), the same effective batch; retrying the update")
+    return dataloader, micro, accumulation

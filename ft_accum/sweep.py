@@ -205,7 +205,8 @@ def _default_micro(recipe: Path) -> int:
     return int(match.group(1)) if match else 8
 
 
-def _process_tree(root: int) -> list[int]:
+def process_tree(root: int) -> list[int]:
+    """`root` and all its descendants, read from /proc (torchrun workers live in sessions of their own)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -225,7 +226,7 @@ def _process_tree(root: int) -> list[int]:
 def kill_run(process: subprocess.Popen) -> None:
     """Kill the run's whole process tree by id: torchrun puts each worker in a session of its own,
     so its process group alone would leave workers holding the GPU."""
-    pids = _process_tree(process.pid) if Path("/proc").is_dir() else [process.pid]
+    pids = process_tree(process.pid) if Path("/proc").is_dir() else [process.pid]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)

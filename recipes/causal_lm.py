@@ -50,7 +50,7 @@ from ft_accum.lora import import_peft, parse_target_modules
 from ft_accum.loss_normalization import causal_lm_loss_sum, check_finite_window, check_skipped_updates, scale_gradients_, window_gradient_scale
 from ft_accum.lr_scaling import POLICIES, describe_lr_scaling, scale_learning_rate
 from ft_accum.lr_schedule import build_lr_scheduler
-from ft_accum.memory import free_memory, is_out_of_memory, peak_memory_gb, shrink_micro_batch
+from ft_accum.memory import is_out_of_memory, peak_memory_gb, retry_with_smaller_micro_batch
 from ft_accum.offline_assets import bundled_smollm2_dir, load_bbc_news
 from ft_accum.run_outputs import append_metrics, check_mixed_precision, prepare_output_dir, resolve_report_to, save_final, truncate_metrics
 
@@ -312,21 +312,11 @@ def train(cfg):
             except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is a CPU allocator refusal
                 if not (cfg.auto_micro_batch and is_out_of_memory(exc)):
                     raise
-                # The optimizer has not stepped in this window: drop its partial gradients and run the
-                # same update again as more, smaller micro-batches (see text_classification.py).
+                # Retry this update as more, smaller micro-batches: same effective batch, same LR.
                 batch = logits = loss_sum = None
-                optimizer.zero_grad(set_to_none=True)
-                free_memory(accelerator.device)
-                old_micro = micro
-                micro, accumulation = shrink_micro_batch(micro, accumulation)
-                accelerator.gradient_accumulation_steps = accumulation
-                accelerator.step = 0  # the window restarts
+                train_dataloader, micro, accumulation = retry_with_smaller_micro_batch(
+                    accelerator, optimizer, train_dataloader, micro, accumulation, cfg.seed)
                 signature.update(per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
-                train_dataloader = accelerator.prepare(DataLoader(
-                    train_dataloader.dataset, shuffle=True, collate_fn=train_dataloader.collate_fn, batch_size=micro,
-                    generator=torch.Generator().manual_seed(cfg.seed)))
-                accelerator.print(f"out of memory at micro-batch {old_micro}: now {micro} micro × {accumulation} accumulation × "
-                                  f"{num_processes} process(es), still {effective} per update; retrying update {state['step'] + 1}")
                 out_of_memory = True
                 break
 

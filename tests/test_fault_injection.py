@@ -28,6 +28,7 @@ from conftest import (
 )
 
 from ft_accum import checkpointing
+from ft_accum.sweep import process_tree
 
 pytestmark = pytest.mark.launch
 
@@ -66,26 +67,6 @@ def uninterrupted(tmp_path_factory, dropout_model_dir, data):
 def start(args: list[str], num_processes: int = 1) -> subprocess.Popen:
     cmd, env = launch_command("text_classification", args, num_processes)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and all its descendants, from /proc. torchrun starts each worker in a session of its
-    own, so killing the launcher's process group would leave the workers running."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
 
 
 def completed_updates(out: Path) -> int:
