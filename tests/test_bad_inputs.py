@@ -45,15 +45,20 @@ def previous_runs(tmp_path_factory, tiny_model_dir, data_files, tiny_gpt2_dir, l
     return root
 
 
+def folder_with_tokenizer(path: Path, model_dir: Path) -> Path:
+    """`path` with a copy of `model_dir`'s tokenizer files (and no model yet)."""
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json"):
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, path / name)
+    return path
+
+
 @pytest.fixture(scope="session")
 def other_model_dir(tmp_path_factory, tiny_model_dir):
     """The tiny BERT's tokenizer with a wider model: a checkpoint of one cannot load into the other."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    path = tmp_path_factory.mktemp("other-bert")
-    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json"):
-        if (tiny_model_dir / name).exists():
-            shutil.copy(tiny_model_dir / name, path / name)
+    path = folder_with_tokenizer(tmp_path_factory.mktemp("other-bert"), tiny_model_dir)
     config = BertConfig.from_pretrained(tiny_model_dir)
     config.hidden_size, config.intermediate_size = 48, 96
     BertForSequenceClassification(config).save_pretrained(path)
@@ -63,10 +68,7 @@ def other_model_dir(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="session")
 def remote_code_model_dir(tmp_path_factory, tiny_model_dir):
     """A model whose config asks for its own Python module, which would leave a marker file if imported."""
-    path = tmp_path_factory.mktemp("remote-code-model")
-    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json"):
-        if (tiny_model_dir / name).exists():
-            shutil.copy(tiny_model_dir / name, path / name)
+    path = folder_with_tokenizer(tmp_path_factory.mktemp("remote-code-model"), tiny_model_dir)
     (path / "config.json").write_text(json.dumps({
         "model_type": "sneaky",
         "auto_map": {"AutoConfig": "sneaky.SneakyConfig", "AutoModelForSequenceClassification": "sneaky.SneakyModel"},
