@@ -188,7 +188,7 @@ def resume_training_state(
 
 def run_signature(
     model, *, effective_batch_size: int, per_device_train_batch_size: int, gradient_accumulation_steps: int,
-    num_processes: int, seed: int, optim: str,
+    num_processes: int, seed: int, optim: str, accumulation_schedule: str | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it.
 
@@ -204,6 +204,7 @@ def run_signature(
         "num_processes": num_processes,
         "seed": seed,
         "optim": optim,
+        "accumulation_schedule": accumulation_schedule,
     }
 
 
@@ -228,11 +229,12 @@ def check_resume_signature(saved: dict[str, Any] | None, current: dict[str, Any]
         "num_processes": "the per-process RNG and sampler states would not line up",
         "seed": "the sample order would change mid-run",
         "optim": "its saved optimizer state belongs to the other optimizer",
+        "accumulation_schedule": "the effective batch of the updates done and to come would differ",
     }
     for key, reason in reasons.items():
-        if saved.get(key) != current[key]:
+        if saved.get(key) != current.get(key):
             raise ConfigError(
-                f"checkpoint {checkpoint} was trained with {key} {saved.get(key)}, this run has {current[key]}: {reason}; "
+                f"checkpoint {checkpoint} was trained with {key} {saved.get(key)}, this run has {current.get(key)}: {reason}; "
                 f"resume with --{key} {saved.get(key)}, or start a new --output_dir"
             )
     if (saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"]) != (

@@ -78,6 +78,18 @@ def register_micro_batch_hooks(parameters: Iterable[torch.nn.Parameter]) -> tupl
     return [p.register_hook(add) for p in parameters], total
 
 
+def start_noise_scale_measurement(model: torch.nn.Module, gradient_accumulation_steps: int, num_processes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hook the trainable parameters of `model`; returns (per-backward Σ grad², running Σ |g_b|² of the window).
+
+    Refuses a run with one micro-batch per update: it has no small batch to compare with.
+    """
+    if gradient_accumulation_steps * num_processes < 2:
+        raise ConfigError("--measure_noise_scale compares micro-batch and window gradients, so it needs "
+                          "--gradient_accumulation_steps ≥ 2 (or several processes)")
+    _, micro_grad_sq = register_micro_batch_hooks(model.parameters())
+    return micro_grad_sq, torch.zeros_like(micro_grad_sq)
+
+
 def advise_effective_batch(measured_noise_scale: float, effective_batch_size: int, unit: str = "samples") -> str:
     """One line of advice from the measured noise scale, with its uncertainty.
 

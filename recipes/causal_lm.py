@@ -44,7 +44,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLan
 from ft_accum import batch_arithmetic, checkpointing
 from ft_accum.arguments import parse_config, require_at_least
 from ft_accum.banner import format_banner
-from ft_accum.data_sources import check_columns, check_text_column, drop_empty_rows, load_hub_dataset, load_local_files, with_validation_split
+from ft_accum.data_sources import check_columns, check_text_column, drop_empty_rows, load_hub_dataset, load_local_files, take_first_rows, with_validation_split
 from ft_accum.errors import ConfigError
 from ft_accum.lora import import_peft, parse_target_modules
 from ft_accum.loss_normalization import causal_lm_loss_sum, check_finite_window, check_skipped_updates, scale_gradients_, window_gradient_scale
@@ -153,10 +153,7 @@ def load_raw_data(cfg):
     check_columns(raw, text_column=cfg.text_column)
     raw = drop_empty_rows(raw, cfg.text_column)
     check_text_column(raw, cfg.text_column)
-    if cfg.max_train_samples:
-        raw["train"] = raw["train"].select(range(min(cfg.max_train_samples, len(raw["train"]))))
-    if cfg.max_eval_samples:
-        raw["validation"] = raw["validation"].select(range(min(cfg.max_eval_samples, len(raw["validation"]))))
+    raw = take_first_rows(raw, train=cfg.max_train_samples, validation=cfg.max_eval_samples)
     return raw
 
 

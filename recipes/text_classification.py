@@ -21,7 +21,6 @@ accumulation window, so `--resume_from_checkpoint latest` continues bit-identica
 """
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,16 +37,17 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 from ft_accum import batch_arithmetic, checkpointing
+from ft_accum.accumulation_schedule import apply_effective_batch, check_schedule, next_effective_batch, parse_accumulation_schedule, plan_windows, scheduler_advance
 from ft_accum.arguments import parse_config, require_at_least
 from ft_accum.banner import format_banner
-from ft_accum.data_sources import check_columns, check_text_column, drop_empty_rows, label_names, load_hub_dataset, load_local_files, with_validation_split
+from ft_accum.data_sources import check_columns, check_text_column, drop_empty_rows, label_names, load_hub_dataset, load_local_files, take_first_rows, with_validation_split
 from ft_accum.errors import ConfigError
 from ft_accum.memory import is_out_of_memory, peak_memory_gb, retry_with_smaller_micro_batch
 from ft_accum.loss_normalization import check_finite_window, check_skipped_updates, scale_gradients_, window_gradient_scale
 from ft_accum.lr_scaling import POLICIES, describe_lr_scaling, scale_learning_rate
 from ft_accum.lr_schedule import build_lr_scheduler
 from ft_accum.metrics import load_metric
-from ft_accum.noise_scale import advise_effective_batch, noise_scale, noise_scale_terms, register_micro_batch_hooks, update_ema
+from ft_accum.noise_scale import advise_effective_batch, noise_scale, noise_scale_terms, start_noise_scale_measurement, update_ema
 from ft_accum.offline_assets import bundled_minilm_dir, load_bbc_news
 from ft_accum.run_outputs import append_metrics, check_mixed_precision, prepare_output_dir, resolve_report_to, save_final, truncate_metrics
 
@@ -81,6 +81,7 @@ class TrainConfig:
     num_train_epochs: int = field(default=3, metadata={"help": "Passes over the training set."})
     max_train_steps: Optional[int] = field(default=None, metadata={"help": "Stop after this many optimizer updates (overrides epochs)."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward: less memory, ~30%% slower."})
+    accumulation_schedule: Optional[str] = field(default=None, metadata={"help": 'Change the effective batch mid-run: "100:64,300:128" (from update 100, 300), "epoch1:64", or "adaptive[:max=256,factor=2,patience=10]" (doubles it while the noise scale exceeds factor × the batch; turns on --measure_noise_scale). The LR scaling is re-applied at each change.'})
     measure_noise_scale: bool = field(default=False, metadata={"help": "Log the gradient noise scale (McCandlish et al. 2018) per update and advise on the effective batch; needs accumulation ≥ 2."})
     auto_micro_batch: bool = field(default=False, metadata={"help": "On out-of-memory, halve the micro-batch and double the accumulation (same effective batch and LR) and retry the update. One process: with several, an OOM on one rank alone would leave the others waiting."})
     seed: int = field(default=42, metadata={"help": "Seeds the init and the sample order (the order does not depend on the batch split)."})
@@ -102,6 +103,8 @@ class TrainConfig:
             raise ConfigError(f"--optim must be adamw_torch or sgd, got {self.optim!r}")
         if self.lr_scaling not in POLICIES:
             raise ConfigError(f"--lr_scaling must be one of {', '.join(POLICIES)}, got {self.lr_scaling!r}")
+        schedule = parse_accumulation_schedule(self.accumulation_schedule)
+        self.measure_noise_scale |= bool(schedule and schedule.unit == "adaptive")
         if self.train_file and self.dataset_name:
             raise ConfigError("give --train_file or --dataset_name, not both")
 
@@ -140,10 +143,7 @@ def load_raw_data(cfg):
     check_columns(raw, text_column=cfg.text_column, label_column=cfg.label_column)
     raw = drop_empty_rows(raw, cfg.text_column, cfg.label_column)
     check_text_column(raw, cfg.text_column)
-    if cfg.max_train_samples:
-        raw["train"] = raw["train"].select(range(min(cfg.max_train_samples, len(raw["train"]))))
-    if cfg.max_eval_samples:
-        raw["validation"] = raw["validation"].select(range(min(cfg.max_eval_samples, len(raw["validation"]))))
+    raw = take_first_rows(raw, train=cfg.max_train_samples, validation=cfg.max_eval_samples)
     return raw, label_names(raw, cfg.label_column)
 
 
@@ -203,8 +203,7 @@ def train(cfg):
     # (a bare PartialState() ignores ACCELERATE_USE_CPU and would report one process under DDP on CPU).
     num_processes = accelerator.num_processes
     accumulation = batch_arithmetic.resolve_gradient_accumulation_steps(
-        cfg.per_device_train_batch_size, num_processes, cfg.gradient_accumulation_steps, cfg.effective_batch_size
-    )
+        cfg.per_device_train_batch_size, num_processes, cfg.gradient_accumulation_steps, cfg.effective_batch_size)
     accelerator.gradient_accumulation_steps = accumulation
     effective = batch_arithmetic.effective_batch_size(cfg.per_device_train_batch_size, accumulation, num_processes)
     learning_rate = scale_learning_rate(cfg.learning_rate, effective, cfg.base_batch_size, cfg.lr_scaling, cfg.optim)
@@ -215,20 +214,16 @@ def train(cfg):
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(cfg, accelerator, raw, tokenizer, label_names)
 
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)], "weight_decay": cfg.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0},
-    ]
-    if cfg.optim == "sgd":
-        optimizer = torch.optim.SGD(groups, lr=learning_rate, momentum=0.9)
-    else:
-        optimizer = torch.optim.AdamW(groups, lr=learning_rate)
+    groups = [{"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)], "weight_decay": cfg.weight_decay},
+              {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0}]
+    optimizer = torch.optim.SGD(groups, lr=learning_rate, momentum=0.9) if cfg.optim == "sgd" else torch.optim.AdamW(groups, lr=learning_rate)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(model, optimizer, train_dataloader, eval_dataloader)
 
     # Sized after prepare: the prepared dataloader holds this process's share of the batches.
-    updates_per_epoch = batch_arithmetic.updates_per_epoch(len(train_dataloader), accumulation)
-    num_update_steps = batch_arithmetic.num_update_steps(len(train_dataloader), accumulation, cfg.num_train_epochs, cfg.max_train_steps)
-    num_epochs = math.ceil(num_update_steps / updates_per_epoch)
+    schedule = parse_accumulation_schedule(cfg.accumulation_schedule)
+    check_schedule(schedule, cfg.per_device_train_batch_size, num_processes, effective)
+    windows = plan_windows(len(train_dataloader), cfg.num_train_epochs, cfg.per_device_train_batch_size, num_processes, effective, schedule, cfg.max_train_steps)
+    num_update_steps, num_epochs, updates_per_epoch = sum(map(len, windows)), len(windows), len(windows[0])
     lr_scheduler = accelerator.prepare(build_lr_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps, num_update_steps, num_processes))
 
     accelerator.print(format_banner(
@@ -238,16 +233,19 @@ def train(cfg):
         num_update_steps=num_update_steps, num_train_epochs=num_epochs, updates_per_epoch=updates_per_epoch,
         mean_tokens_per_sample=mean_tokens, extra={"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}",
                                                    **({"trust_remote_code": "ON: the model's own Python code ran"} if cfg.trust_remote_code else {}),
-               **({"auto micro-batch": "on: out of memory halves the micro-batch, doubles the accumulation"} if cfg.auto_micro_batch else {})},
+               **({"auto micro-batch": "on: out of memory halves the micro-batch, doubles the accumulation"} if cfg.auto_micro_batch else {}),
+               **({"accumulation schedule": f"{cfg.accumulation_schedule} (LR scaling re-applied at each change)"} if schedule else {})},
     ))
     if report_to:
         accelerator.init_trackers("text_classification", config={k: v for k, v in asdict(cfg).items() if isinstance(v, (int, float, str, bool))})
 
     output_dir = Path(cfg.output_dir)
-    signature = checkpointing.run_signature(accelerator.unwrap_model(model), effective_batch_size=effective, seed=cfg.seed,
-                                            per_device_train_batch_size=cfg.per_device_train_batch_size,
-                                            gradient_accumulation_steps=accumulation, num_processes=num_processes, optim=cfg.optim)
-    state = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "train_seconds": 0.0, "skipped_updates": 0, "consecutive_skipped": 0, "noise_scale_ema": None}
+    signature = checkpointing.run_signature(
+        accelerator.unwrap_model(model), effective_batch_size=effective, seed=cfg.seed, per_device_train_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=accumulation, num_processes=num_processes, optim=cfg.optim, accumulation_schedule=cfg.accumulation_schedule)
+    # epoch_samples: this process's samples of the epoch so far, counted in micro-batches of `micro`.
+    state = {"step": 0, "epoch": 0, "epoch_samples": 0, "scheduler_steps": 0, "effective_batch_size": effective, "last_change": 0, "samples_seen": 0,
+             "tokens_seen": 0, "train_seconds": 0.0, "skipped_updates": 0, "consecutive_skipped": 0, "noise_scale_ema": None}
     last_checkpoint = None
     if cfg.resume_from_checkpoint:
         saved = checkpointing.resume_training_state(accelerator, cfg.resume_from_checkpoint, output_dir, signature)
@@ -258,26 +256,29 @@ def train(cfg):
         truncate_metrics(output_dir, state["step"])
 
     metrics = load_metric("accuracy"), load_metric("f1")
-    progress = tqdm(total=num_update_steps, initial=state["step"], desc="updates", disable=not accelerator.is_local_main_process)
+    progress = tqdm(total=num_update_steps, initial=state["scheduler_steps"], desc="updates", disable=not accelerator.is_local_main_process)
     model.train()
-    eval_metrics, started = {}, time.perf_counter() - state["train_seconds"]
-    window_started = time.perf_counter()
-    if cfg.measure_noise_scale:
-        if accumulation * num_processes < 2:
-            raise ConfigError("--measure_noise_scale compares micro-batch and window gradients, so it needs --gradient_accumulation_steps ≥ 2 (or several processes)")
-        # Hooks see each micro-batch's own gradient before it is added to .grad (ft_accum/noise_scale.py).
-        _, micro_grad_sq = register_micro_batch_hooks(model.parameters())
-        small_sq, micro_count = torch.zeros((), dtype=torch.float64, device=accelerator.device), 0
+    eval_metrics, started, window_started = {}, time.perf_counter() - state["train_seconds"], time.perf_counter()
+    if cfg.measure_noise_scale:  # hooks see each micro-batch's own gradient before it is added to .grad
+        micro_grad_sq, small_sq = start_noise_scale_measurement(model, accumulation, num_processes)
     micro = cfg.per_device_train_batch_size  # --auto_micro_batch may shrink it (and grow the accumulation) on OOM
-    epoch = state["step"] // updates_per_epoch
+    epoch = state["epoch"]
     while epoch < num_epochs:
         train_dataloader.set_epoch(epoch)
-        seen = checkpointing.batches_to_skip(state["step"], epoch, updates_per_epoch, accumulation)
+        seen = state["epoch_samples"] // micro
         batches = accelerator.skip_first_batches(train_dataloader, seen) if seen else train_dataloader
         window = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # summed loss, samples, non-pad tokens
         micro_losses = []  # this process's, to name the micro-batch if the loss turns non-finite
         out_of_memory = False
         for batch in batches:
+            if schedule and not micro_losses:  # a window starts: the schedule sets its size
+                target = next_effective_batch(schedule, effective, state["step"], epoch, state["effective_batch_size"],
+                                              state["last_change"], state["noise_scale_ema"] and noise_scale(state["noise_scale_ema"]))
+                if target != state["effective_batch_size"]:
+                    state.update(effective_batch_size=target, last_change=state["step"])
+                if target != micro * accumulation * num_processes:  # a change, or the resume of a changed run
+                    learning_rate = scale_learning_rate(cfg.learning_rate, target, cfg.base_batch_size, cfg.lr_scaling, cfg.optim)
+                    accumulation = apply_effective_batch(accelerator, optimizer, lr_scheduler, target, micro, learning_rate, state["step"])
             try:
                 with accelerator.accumulate(model):
                     labels = batch.pop("labels")
@@ -294,7 +295,6 @@ def train(cfg):
                         loss_scale = accelerator.scaler.get_scale() if accelerator.scaler else 1.0
                         small_sq += micro_grad_sq * (micro * accumulation / len(labels) / loss_scale) ** 2
                         micro_grad_sq.zero_()
-                        micro_count += 1
                     if accelerator.sync_gradients:
                         loss_total, samples, tokens = accelerator.reduce(window, reduction="sum").tolist()
                         if accelerator.mixed_precision != "fp16":  # fp16 overflow is the grad scaler's to skip, and counted below
@@ -303,8 +303,10 @@ def train(cfg):
                         # short last window too, which Accelerate divides by N anyway (see loss_normalization).
                         scale_gradients_(model.parameters(), window_gradient_scale(samples, micro, accumulation, num_processes))
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+                        advance = scheduler_advance(schedule, samples, effective)  # > 1 only under adaptive
                     optimizer.step()
-                    lr_scheduler.step()
+                    for _ in range(advance if accelerator.sync_gradients else 1):
+                        lr_scheduler.step()
                     optimizer.zero_grad()
             except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is a CPU allocator refusal
                 if not (cfg.auto_micro_batch and is_out_of_memory(exc)):
@@ -319,44 +321,45 @@ def train(cfg):
 
             if accelerator.sync_gradients:
                 window.zero_()
-                micro_losses.clear()
                 loss = loss_total / samples
                 state["step"] += 1
+                state["scheduler_steps"] += advance
+                state["epoch_samples"] += micro * len(micro_losses)
                 skipped = accelerator.optimizer_step_was_skipped
                 state["skipped_updates"] += skipped
                 state["consecutive_skipped"] = state["consecutive_skipped"] + 1 if skipped else 0
                 check_skipped_updates(state["consecutive_skipped"], cfg.max_consecutive_skipped_updates, state["step"], last_checkpoint)
-                state["samples_seen"] += int(samples)
-                state["tokens_seen"] += int(tokens)
+                state.update(samples_seen=state["samples_seen"] + int(samples), tokens_seen=state["tokens_seen"] + int(tokens))
                 noise = {}
                 if cfg.measure_noise_scale:
                     # Small batch: one micro-batch (per process); big batch: the whole window on all processes.
-                    small = float(accelerator.reduce(small_sq / micro_count, reduction="mean"))  # mean |g_b|² over micro-batches
-                    g2, trace = noise_scale_terms(small, float(grad_norm) ** 2, samples / (micro_count * num_processes), samples)
+                    small = float(accelerator.reduce(small_sq / len(micro_losses), reduction="mean"))  # mean |g_b|² over micro-batches
+                    g2, trace = noise_scale_terms(small, float(grad_norm) ** 2, samples / (len(micro_losses) * num_processes), samples)
                     small_sq.zero_()
-                    micro_count = 0
                     state["noise_scale_ema"] = update_ema(state["noise_scale_ema"], g2, trace)
                     noise = {"noise_scale": noise_scale(state["noise_scale_ema"]), "grad_sq_small": small, "grad_sq_big": float(grad_norm) ** 2}
                 now = time.perf_counter()
-                record = {"step": state["step"], "epoch": state["step"] / updates_per_epoch, "loss": loss, "lr": lr_scheduler.get_last_lr()[0],
+                micro_losses.clear()
+                record = {"step": state["step"], "epoch": epoch + state["epoch_samples"] / (micro * len(train_dataloader)), "loss": loss, "lr": lr_scheduler.get_last_lr()[0],
                           "grad_norm": float(grad_norm), "samples_seen": state["samples_seen"], "tokens_seen": state["tokens_seen"],
                           "samples_per_second": samples / (now - window_started), "skipped_updates": state["skipped_updates"],
-                          "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation, **noise}
+                          "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation,
+                          "effective_batch_size": state["effective_batch_size"], **noise}
                 window_started = now
                 if accelerator.is_main_process:
                     append_metrics(output_dir, record)
                 accelerator.log(record, step=state["step"])
-                progress.update(1)
+                progress.update(advance)
                 progress.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
                 if cfg.checkpointing_steps and state["step"] % cfg.checkpointing_steps == 0:
                     state["train_seconds"] = now - started
                     last_checkpoint = checkpointing.save_checkpoint(
                         accelerator, output_dir, state["step"], {**{k: v for k, v in state.items() if k != "step"}, "signature": signature}, cfg.save_total_limit)
                     window_started = time.perf_counter()
-                if state["step"] >= num_update_steps:
+                if state["scheduler_steps"] >= num_update_steps:
                     break
-        if out_of_memory:
-            continue  # the same epoch, from the last completed update
+        if out_of_memory:  # the same epoch again, from the last completed update
+            continue
 
         eval_start = time.perf_counter()
         eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
@@ -364,17 +367,18 @@ def train(cfg):
         window_started = time.perf_counter()
         accelerator.print(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
         accelerator.log(eval_metrics, step=state["step"])
-        if state["step"] >= num_update_steps:
+        if state["scheduler_steps"] >= num_update_steps:
             break
         epoch += 1
+        state.update(epoch=epoch, epoch_samples=0)
     progress.close()
     train_seconds = time.perf_counter() - started
     if cfg.measure_noise_scale and state["noise_scale_ema"]:
-        accelerator.print(advise_effective_batch(noise_scale(state["noise_scale_ema"]), effective, "samples"))
+        accelerator.print(advise_effective_batch(noise_scale(state["noise_scale_ema"]), state["effective_batch_size"], "samples"))
 
     save_final(accelerator, model, tokenizer, output_dir)
     results = {**eval_metrics, "train_runtime": train_seconds, "train_samples_per_second": state["samples_seen"] / train_seconds,
-               "num_update_steps": state["step"], "effective_batch_size": effective, "per_device_train_batch_size": micro,
+               "num_update_steps": state["step"], "effective_batch_size": state["effective_batch_size"], "per_device_train_batch_size": micro,
                "gradient_accumulation_steps": accumulation, "num_processes": num_processes, "learning_rate": learning_rate,
                "mixed_precision": accelerator.mixed_precision, "peak_memory_gb": peak_memory_gb(accelerator.device)}
     if accelerator.is_main_process:
