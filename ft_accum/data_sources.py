@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import datasets
+import torch
 
 from ft_accum.errors import ConfigError
 
@@ -167,3 +168,20 @@ def take_first_rows(raw, **limits: int | None):
         if limit:
             raw[split] = raw[split].select(range(min(limit, len(raw[split]))))
     return raw
+
+
+def seeded_dataloaders(tokenized: datasets.DatasetDict, collate_fn, per_device_train_batch_size: int, per_device_eval_batch_size: int,
+                       seed: int):
+    """(train, eval) DataLoaders, shuffled train, each with a torch.Generator of its own.
+
+    Starting an iterator draws a base seed from the loader's generator, or else from the global
+    torch RNG, which also drives dropout. A resumed run starts one iterator fewer, so with the
+    global RNG its dropout masks would differ from the uninterrupted run's.
+    """
+    from torch.utils.data import DataLoader
+
+    train = DataLoader(tokenized["train"], shuffle=True, collate_fn=collate_fn, batch_size=per_device_train_batch_size,
+                       generator=torch.Generator().manual_seed(seed))
+    evaluation = DataLoader(tokenized["validation"], collate_fn=collate_fn, batch_size=per_device_eval_batch_size,
+                            generator=torch.Generator().manual_seed(seed))
+    return train, evaluation

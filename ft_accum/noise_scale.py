@@ -79,15 +79,42 @@ def register_micro_batch_hooks(parameters: Iterable[torch.nn.Parameter]) -> tupl
 
 
 def start_noise_scale_measurement(model: torch.nn.Module, gradient_accumulation_steps: int, num_processes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hook the trainable parameters of `model`; returns (per-backward Σ grad², running Σ |g_b|² of the window).
+    """Hook the trainable parameters of `model`; returns (the hooks' per-backward Σ grad², the window's sums).
 
-    Refuses a run with one micro-batch per update: it has no small batch to compare with.
+    The window's sums are [Σ |g_b|², Σ 1/b, number of micro-batches] over its micro-batches
+    (`add_micro_batch`), read at the sync step by `window_noise_terms`. Refuses a run with one
+    micro-batch per update: it has no small batch to compare with.
     """
     if gradient_accumulation_steps * num_processes < 2:
         raise ConfigError("--measure_noise_scale compares micro-batch and window gradients, so it needs "
                           "--gradient_accumulation_steps ≥ 2 (or several processes)")
     _, micro_grad_sq = register_micro_batch_hooks(model.parameters())
-    return micro_grad_sq, torch.zeros_like(micro_grad_sq)
+    return micro_grad_sq, torch.zeros(3, dtype=torch.float64, device=micro_grad_sq.device)
+
+
+def add_micro_batch(window_sums: torch.Tensor, micro_grad_sq: torch.Tensor, backward_scale: float, size: float) -> None:
+    """Add one micro-batch of `size` items (samples or target tokens) to the window's sums; zero the hooks' total.
+
+    `backward_scale` is what the backward multiplied this micro-batch's *mean* gradient by
+    (its share of the window's normalisation, times the fp16 loss scale), so dividing it out
+    gives |g_b|² of the micro-batch alone.
+    """
+    window_sums[0] += micro_grad_sq / backward_scale**2
+    window_sums[1] += 1.0 / size
+    window_sums[2] += 1
+    micro_grad_sq.zero_()
+
+
+def window_noise_terms(window_sums: torch.Tensor, big_sq: float, window_size: float) -> tuple[float, float, float]:
+    """(mean |g_b|², |G|², tr Σ) for one update, from the window's sums over all processes.
+
+    Micro-batches of unequal size b_i (token counts, a short last batch) are weighted by their true
+    share: E|g_bi|² = |G|² + tr Σ / b_i, so their mean is |G|² + tr Σ · mean(1/b_i), which is the
+    two-batch formula with b = the harmonic mean of the b_i.
+    """
+    sum_sq, sum_inverse, count = window_sums.tolist()
+    small = sum_sq / count
+    return (small, *noise_scale_terms(small, big_sq, count / sum_inverse, window_size))
 
 
 def advise_effective_batch(measured_noise_scale: float, effective_batch_size: int, unit: str = "samples") -> str:
@@ -99,14 +126,14 @@ def advise_effective_batch(measured_noise_scale: float, effective_batch_size: in
     as the loss falls), so it is read as a range of ×2 either way, not as a number.
     """
     if not measured_noise_scale < float("inf"):
-        return (f"noise scale: not measurable yet (the gradient signal is below its noise at effective batch {effective_batch_size}); "
+        return (f"noise scale: not measurable yet (the gradient signal is below its noise at effective batch {effective_batch_size:,} {unit}); "
                 "run longer, or raise the accumulation")
     ratio = measured_noise_scale / effective_batch_size
     size = f"~{measured_noise_scale:,.0f} {unit} (read it as {measured_noise_scale / 2:,.0f}–{measured_noise_scale * 2:,.0f})"
     if ratio > 2:
-        return (f"effective batch {effective_batch_size} is below the measured noise scale {size}: raising the accumulation "
+        return (f"effective batch {effective_batch_size:,} {unit} is below the measured noise scale {size}: raising the accumulation "
                 f"toward ~{measured_noise_scale:,.0f} should cut the number of updates with little extra compute")
     if ratio < 0.5:
-        return (f"effective batch {effective_batch_size} is above the measured noise scale {size}: a smaller effective batch "
+        return (f"effective batch {effective_batch_size:,} {unit} is above the measured noise scale {size}: a smaller effective batch "
                 "(less accumulation) should reach the same loss with fewer samples")
-    return f"effective batch {effective_batch_size} is near the measured noise scale {size}: a good size for this run"
+    return f"effective batch {effective_batch_size:,} {unit} is near the measured noise scale {size}: a good size for this run"

@@ -27,7 +27,6 @@ bit-identically after a crash).
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import chain
@@ -37,19 +36,20 @@ from typing import Optional
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, default_data_collator
 
 from ft_accum import batch_arithmetic, checkpointing
 from ft_accum.arguments import parse_config, require_at_least
 from ft_accum.banner import format_banner
-from ft_accum.data_sources import check_columns, check_text_column, drop_empty_rows, load_hub_dataset, load_local_files, take_first_rows, with_validation_split
+from ft_accum.data_sources import check_columns, check_text_column, drop_empty_rows, load_hub_dataset, load_local_files, seeded_dataloaders, take_first_rows, with_validation_split
 from ft_accum.errors import ConfigError
+from ft_accum.loading import check_context_length, load_pretrained
 from ft_accum.lora import import_peft, parse_target_modules
 from ft_accum.loss_normalization import causal_lm_loss_sum, check_finite_window, check_skipped_updates, scale_gradients_, window_gradient_scale
 from ft_accum.lr_scaling import POLICIES, describe_lr_scaling, scale_learning_rate
 from ft_accum.lr_schedule import build_lr_scheduler
+from ft_accum.noise_scale import add_micro_batch, advise_effective_batch, noise_scale, start_noise_scale_measurement, update_ema, window_noise_terms
 from ft_accum.memory import is_out_of_memory, peak_memory_gb, retry_with_smaller_micro_batch
 from ft_accum.offline_assets import bundled_smollm2_dir, load_bbc_news
 from ft_accum.run_outputs import append_metrics, check_mixed_precision, prepare_output_dir, resolve_report_to, save_final, truncate_metrics
@@ -82,6 +82,7 @@ class TrainConfig:
     num_train_epochs: int = field(default=1, metadata={"help": "Passes over the training set."})
     max_train_steps: Optional[int] = field(default=None, metadata={"help": "Stop after this many optimizer updates (overrides epochs)."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward (non-reentrant, use_cache off)."})
+    measure_noise_scale: bool = field(default=False, metadata={"help": "Log the gradient noise scale in target tokens (McCandlish et al. 2018) per update and advise on the effective batch; needs accumulation ≥ 2."})
     auto_micro_batch: bool = field(default=False, metadata={"help": "On out-of-memory, halve the micro-batch and double the accumulation (same effective batch and LR) and retry the update. One process: with several, an OOM on one rank alone would leave the others waiting."})
     use_lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights (needs peft)."})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
@@ -115,18 +116,10 @@ class TrainConfig:
 
 def build_model(cfg):
     name = cfg.model_name_or_path or str(bundled_smollm2_dir())
-    if name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):
-        raise ConfigError(f"--model_name_or_path {name} does not exist; pass a folder holding config.json, or a hub name")
     peft = import_peft() if cfg.use_lora else None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as exc:  # ValueError: the model needs its own code and trust_remote_code is off
-        hint = "pass --trust_remote_code only if you trust its code" if "trust_remote_code" in str(exc) else "pass a local folder, or go online for hub names"
-        raise ConfigError(f"could not load model {name!r}: {str(exc).strip().splitlines()[0]} ({hint})") from exc
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context and cfg.block_size > context:
-        raise ConfigError(f"--block_size {cfg.block_size} is larger than the model's context of {context} tokens; use --block_size {context} or less")
+    tokenizer = load_pretrained(AutoTokenizer, name, cfg.trust_remote_code)
+    model = load_pretrained(AutoModelForCausalLM, name, cfg.trust_remote_code)
+    check_context_length(model, cfg.block_size, "--block_size")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
     if cfg.gradient_checkpointing:
@@ -181,12 +174,8 @@ def build_dataloaders(cfg, accelerator, raw, tokenizer):
     # The padding collator masks pads with -100 in the labels; packed blocks have no padding.
     collator = default_data_collator if cfg.packing else DataCollatorForLanguageModeling(
         tokenizer, mlm=False, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
-    # Generators of their own: starting an iterator otherwise draws from the global torch RNG, which
-    # drives dropout, so the masks after a resume (which starts one iterator fewer) would differ.
-    train_dataloader = DataLoader(tokenized["train"], shuffle=True, collate_fn=collator, batch_size=cfg.per_device_train_batch_size,
-                                  generator=torch.Generator().manual_seed(cfg.seed))
-    eval_dataloader = DataLoader(tokenized["validation"], collate_fn=collator, batch_size=cfg.per_device_eval_batch_size,
-                                 generator=torch.Generator().manual_seed(cfg.seed))
+    # Generators of their own keep dropout bit-identical across a resume (see seeded_dataloaders).
+    train_dataloader, eval_dataloader = seeded_dataloaders(tokenized, collator, cfg.per_device_train_batch_size, cfg.per_device_eval_batch_size, cfg.seed)
     mean_tokens = sum(map(len, tokenized["train"]["input_ids"])) / len(tokenized["train"])
     return train_dataloader, eval_dataloader, mean_tokens
 
@@ -260,7 +249,7 @@ def train(cfg):
     signature = checkpointing.run_signature(accelerator.unwrap_model(model), effective_batch_size=effective, seed=cfg.seed,
                                             per_device_train_batch_size=cfg.per_device_train_batch_size,
                                             gradient_accumulation_steps=accumulation, num_processes=num_processes, optim=cfg.optim)
-    state = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "train_seconds": 0.0, "skipped_updates": 0, "consecutive_skipped": 0}
+    state = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "train_seconds": 0.0, "skipped_updates": 0, "consecutive_skipped": 0, "noise_scale_ema": None}
     last_checkpoint = None
     if cfg.resume_from_checkpoint:
         saved = checkpointing.resume_training_state(accelerator, cfg.resume_from_checkpoint, output_dir, signature)
@@ -275,6 +264,8 @@ def train(cfg):
     model.train()
     eval_metrics, started = initial_eval, time.perf_counter() - state["train_seconds"]
     window_started = time.perf_counter()
+    if cfg.measure_noise_scale:  # hooks see each micro-batch's own gradient before it is added to .grad
+        micro_grad_sq, noise_sums = start_noise_scale_measurement(model, accumulation, num_processes)
     micro = cfg.per_device_train_batch_size  # --auto_micro_batch may shrink it (and grow the accumulation) on OOM
     epoch = state["step"] // updates_per_epoch
     while epoch < num_epochs:
@@ -296,6 +287,9 @@ def train(cfg):
                     window[1] += num_tokens
                     window[2] += len(batch["input_ids"])
                     accelerator.backward(loss_sum / nominal_tokens)
+                    if cfg.measure_noise_scale:  # in target tokens: the hooks saw its per-token mean gradient × tokens/(nominal·N)·scale
+                        loss_scale = accelerator.scaler.get_scale() if accelerator.scaler else 1.0
+                        add_micro_batch(noise_sums, micro_grad_sq, float(num_tokens) / (nominal_tokens * accumulation) * loss_scale, float(num_tokens))
                     if accelerator.sync_gradients:
                         loss_total, tokens, sequences = accelerator.reduce(window, reduction="sum").tolist()
                         if accelerator.mixed_precision != "fp16":  # fp16 overflow is the grad scaler's to skip, and counted below
@@ -328,11 +322,17 @@ def train(cfg):
                 check_skipped_updates(state["consecutive_skipped"], cfg.max_consecutive_skipped_updates, state["step"], last_checkpoint)
                 state["samples_seen"] += int(sequences)
                 state["tokens_seen"] += int(tokens)
+                noise = {}
+                if cfg.measure_noise_scale:
+                    small, g2, trace = window_noise_terms(accelerator.reduce(noise_sums, reduction="sum"), float(grad_norm) ** 2, tokens)
+                    noise_sums.zero_()
+                    state["noise_scale_ema"] = update_ema(state["noise_scale_ema"], g2, trace)
+                    noise = {"noise_scale": noise_scale(state["noise_scale_ema"]), "grad_sq_small": small, "grad_sq_big": float(grad_norm) ** 2}
                 now = time.perf_counter()
                 record = {"step": state["step"], "epoch": state["step"] / updates_per_epoch, "loss": loss, "lr": lr_scheduler.get_last_lr()[0],
                           "grad_norm": float(grad_norm), "samples_seen": state["samples_seen"], "tokens_seen": state["tokens_seen"],
                           "tokens_per_second": tokens / (now - window_started), "skipped_updates": state["skipped_updates"],
-                          "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation}
+                          "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation, **noise}
                 window_started = now
                 if accelerator.is_main_process:
                     append_metrics(output_dir, record)
@@ -359,6 +359,8 @@ def train(cfg):
             break
         epoch += 1
     progress.close()
+    if cfg.measure_noise_scale and state["noise_scale_ema"]:
+        accelerator.print(advise_effective_batch(noise_scale(state["noise_scale_ema"]), round(state["tokens_seen"] / state["step"]), "target tokens"))
     train_seconds = time.perf_counter() - started
 
     save_final(accelerator, model, tokenizer, output_dir)

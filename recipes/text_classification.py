@@ -21,7 +21,6 @@ accumulation window, so `--resume_from_checkpoint latest` continues bit-identica
 """
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,7 +31,6 @@ import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
@@ -40,14 +38,15 @@ from ft_accum import batch_arithmetic, checkpointing
 from ft_accum.accumulation_schedule import apply_effective_batch, check_schedule, next_effective_batch, parse_accumulation_schedule, plan_windows, scheduler_advance
 from ft_accum.arguments import parse_config, require_at_least
 from ft_accum.banner import format_banner
-from ft_accum.data_sources import check_columns, check_text_column, drop_empty_rows, label_names, load_hub_dataset, load_local_files, take_first_rows, with_validation_split
+from ft_accum.data_sources import check_columns, check_text_column, drop_empty_rows, label_names, load_hub_dataset, load_local_files, seeded_dataloaders, take_first_rows, with_validation_split
 from ft_accum.errors import ConfigError
 from ft_accum.memory import is_out_of_memory, peak_memory_gb, retry_with_smaller_micro_batch
+from ft_accum.loading import check_context_length, load_pretrained
 from ft_accum.loss_normalization import check_finite_window, check_skipped_updates, scale_gradients_, window_gradient_scale
 from ft_accum.lr_scaling import POLICIES, describe_lr_scaling, scale_learning_rate
 from ft_accum.lr_schedule import build_lr_scheduler
 from ft_accum.metrics import load_metric
-from ft_accum.noise_scale import advise_effective_batch, noise_scale, noise_scale_terms, start_noise_scale_measurement, update_ema
+from ft_accum.noise_scale import add_micro_batch, advise_effective_batch, noise_scale, start_noise_scale_measurement, update_ema, window_noise_terms
 from ft_accum.offline_assets import bundled_minilm_dir, load_bbc_news
 from ft_accum.run_outputs import append_metrics, check_mixed_precision, prepare_output_dir, resolve_report_to, save_final, truncate_metrics
 
@@ -111,21 +110,12 @@ class TrainConfig:
 
 def build_model(cfg, num_labels, label_names):
     name = cfg.model_name_or_path or str(bundled_minilm_dir())
-    if name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):
-        raise ConfigError(f"--model_name_or_path {name} does not exist; pass a folder holding config.json, or a hub name")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            name, num_labels=num_labels, id2label=dict(enumerate(label_names)), label2id={n: i for i, n in enumerate(label_names)},
-            # A head trained for another label set is replaced (transformers prints which weights).
-            ignore_mismatched_sizes=True, trust_remote_code=cfg.trust_remote_code,
-        )
-    except (OSError, ValueError) as exc:  # ValueError: the model needs its own code and trust_remote_code is off
-        hint = "pass --trust_remote_code only if you trust its code" if "trust_remote_code" in str(exc) else "pass a local folder, or go online for hub names"
-        raise ConfigError(f"could not load model {name!r}: {str(exc).strip().splitlines()[0]} ({hint})") from exc
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context and cfg.max_seq_length > context:
-        raise ConfigError(f"--max_seq_length {cfg.max_seq_length} is longer than the model's {context} positions; use --max_seq_length {context} or less")
+    tokenizer = load_pretrained(AutoTokenizer, name, cfg.trust_remote_code)
+    model = load_pretrained(
+        AutoModelForSequenceClassification, name, cfg.trust_remote_code, num_labels=num_labels, id2label=dict(enumerate(label_names)),
+        # A head trained for another label set is replaced (transformers prints which weights).
+        label2id={n: i for i, n in enumerate(label_names)}, ignore_mismatched_sizes=True)
+    check_context_length(model, cfg.max_seq_length, "--max_seq_length")
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing is the variant that works under DDP with unused parameters.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -161,12 +151,8 @@ def build_dataloaders(cfg, accelerator, raw, tokenizer, label_names):
         tokenized = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, desc="Tokenizing")
     # Multiples of 8 let fp16/bf16 tensor cores engage; in fp32 they would only add padding.
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
-    # Generators of their own: starting an iterator otherwise draws from the global torch RNG, which
-    # drives dropout, so the masks after a resume (which starts one iterator fewer) would differ.
-    train_dataloader = DataLoader(tokenized["train"], shuffle=True, collate_fn=collator, batch_size=cfg.per_device_train_batch_size,
-                                  generator=torch.Generator().manual_seed(cfg.seed))
-    eval_dataloader = DataLoader(tokenized["validation"], collate_fn=collator, batch_size=cfg.per_device_eval_batch_size,
-                                 generator=torch.Generator().manual_seed(cfg.seed))
+    # Generators of their own keep dropout bit-identical across a resume (see seeded_dataloaders).
+    train_dataloader, eval_dataloader = seeded_dataloaders(tokenized, collator, cfg.per_device_train_batch_size, cfg.per_device_eval_batch_size, cfg.seed)
     mean_tokens = sum(map(len, tokenized["train"]["input_ids"])) / len(tokenized["train"])
     return train_dataloader, eval_dataloader, mean_tokens
 
@@ -260,7 +246,7 @@ def train(cfg):
     model.train()
     eval_metrics, started, window_started = {}, time.perf_counter() - state["train_seconds"], time.perf_counter()
     if cfg.measure_noise_scale:  # hooks see each micro-batch's own gradient before it is added to .grad
-        micro_grad_sq, small_sq = start_noise_scale_measurement(model, accumulation, num_processes)
+        micro_grad_sq, noise_sums = start_noise_scale_measurement(model, accumulation, num_processes)
     micro = cfg.per_device_train_batch_size  # --auto_micro_batch may shrink it (and grow the accumulation) on OOM
     epoch = state["epoch"]
     while epoch < num_epochs:
@@ -290,11 +276,9 @@ def train(cfg):
                     window[1] += len(labels)
                     window[2] += batch["attention_mask"].sum()
                     accelerator.backward(loss_sum / micro)
-                    if cfg.measure_noise_scale:
-                        # The hooks saw ∇(sum)/(micro·N)·loss scale; this micro-batch's mean gradient is ∇(sum)/n.
+                    if cfg.measure_noise_scale:  # the hooks saw ∇(sum)/(micro·N)·loss scale = its mean gradient × n/(micro·N)·scale
                         loss_scale = accelerator.scaler.get_scale() if accelerator.scaler else 1.0
-                        small_sq += micro_grad_sq * (micro * accumulation / len(labels) / loss_scale) ** 2
-                        micro_grad_sq.zero_()
+                        add_micro_batch(noise_sums, micro_grad_sq, len(labels) / (micro * accumulation) * loss_scale, len(labels))
                     if accelerator.sync_gradients:
                         loss_total, samples, tokens = accelerator.reduce(window, reduction="sum").tolist()
                         if accelerator.mixed_precision != "fp16":  # fp16 overflow is the grad scaler's to skip, and counted below
@@ -333,9 +317,8 @@ def train(cfg):
                 noise = {}
                 if cfg.measure_noise_scale:
                     # Small batch: one micro-batch (per process); big batch: the whole window on all processes.
-                    small = float(accelerator.reduce(small_sq / len(micro_losses), reduction="mean"))  # mean |g_b|² over micro-batches
-                    g2, trace = noise_scale_terms(small, float(grad_norm) ** 2, samples / (len(micro_losses) * num_processes), samples)
-                    small_sq.zero_()
+                    small, g2, trace = window_noise_terms(accelerator.reduce(noise_sums, reduction="sum"), float(grad_norm) ** 2, samples)
+                    noise_sums.zero_()
                     state["noise_scale_ema"] = update_ema(state["noise_scale_ema"], g2, trace)
                     noise = {"noise_scale": noise_scale(state["noise_scale_ema"]), "grad_sq_small": small, "grad_sq_big": float(grad_norm) ** 2}
                 now = time.perf_counter()

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import error_of, final_weights, make_rows, max_abs_difference, read_metrics, relative_error, run_in_process, tiny_args, write_jsonl
+from conftest import error_of, final_weights, max_abs_difference, read_metrics, relative_error, run_in_process, tiny_args
 
 from ft_accum import batch_arithmetic
 from ft_accum.accumulation_schedule import (

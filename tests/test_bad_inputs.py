@@ -119,7 +119,7 @@ CASES = {
     "validation label the train split lacks": ("text_classification", lambda c: {"validation_file": c["files"]["jsonl_unseen_label"]}, ["label(s) weather", "never shows"]),
     "max_seq_length 0": ("text_classification", lambda c: {"max_seq_length": 0}, ["--max_seq_length must be ≥ 2, got 0"]),
     "max_seq_length beyond the model": ("text_classification", lambda c: {"max_seq_length": 512}, ["longer than the model's 64 positions", "--max_seq_length 64"]),
-    "block_size beyond the context (LM)": ("causal_lm", lambda c: {"block_size": 128}, ["larger than the model's context of 64 tokens", "--block_size 64"]),
+    "block_size beyond the context (LM)": ("causal_lm", lambda c: {"block_size": 128}, ["--block_size 128 is longer than the model's 64 positions", "--block_size 64"]),
     "zero micro-batch": ("text_classification", lambda c: {"per_device_train_batch_size": 0}, ["--per_device_train_batch_size must be ≥ 1, got 0"]),
     "negative micro-batch (LM)": ("causal_lm", lambda c: {"per_device_train_batch_size": -2}, ["--per_device_train_batch_size must be ≥ 1, got -2"]),
     "zero accumulation": ("text_classification", lambda c: {"gradient_accumulation_steps": 0}, ["--gradient_accumulation_steps must be ≥ 1"]),

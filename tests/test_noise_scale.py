@@ -98,3 +98,58 @@ def test_the_hooks_see_each_process_own_micro_batch_gradient_under_ddp(tmp_path,
     for a, b in zip(ddp, one):
         assert a["grad_sq_small"] == pytest.approx(b["grad_sq_small"], rel=1e-5)
         assert a["grad_sq_big"] == pytest.approx(b["grad_sq_big"], rel=1e-5)
+
+
+def test_the_estimate_does_not_depend_on_how_the_window_is_split():
+    """Effective batch 32 as 4 × 8, 8 × 4 and 16 × 2: the same B_simple within noise (and of the truth)."""
+    estimates = [measured_noise_scale(10.0, micro=micro, accumulation=32 // micro, seed=3) for micro in (4, 8, 16)]
+    for estimate in estimates:
+        assert estimate == pytest.approx(10.0, rel=0.10), estimates
+    assert max(estimates) / min(estimates) < 1.15, estimates
+
+
+def weighted_estimate(sizes_cycle, harmonic: bool, sigma2: float = 10.0, updates: int = 400, dim: int = 50) -> float:
+    """Micro-batches of unequal sizes, as token counts are: the library's add_micro_batch and
+    window_noise_terms, fed by real backward passes of the token-weighted loss (sum / nominal)."""
+    from ft_accum.noise_scale import add_micro_batch, window_noise_terms
+
+    generator = torch.Generator().manual_seed(5)
+    w = torch.nn.Parameter(torch.ones(dim, dtype=torch.float64))
+    handles, micro_sq = register_micro_batch_hooks([w])
+    sums = torch.zeros(3, dtype=torch.float64)
+    nominal, accumulation, state = 8, len(sizes_cycle), None
+    for _ in range(updates):
+        w.grad = None
+        for size in sizes_cycle:
+            x = sigma2**0.5 * torch.randn(size, dim, generator=generator, dtype=torch.float64)
+            (0.5 * (w - x).pow(2).sum() / (nominal * accumulation)).backward()
+            add_micro_batch(sums, micro_sq, size / (nominal * accumulation), size)
+        total = sum(sizes_cycle)
+        w.grad *= nominal * accumulation / total  # the window's true mean, as scale_gradients_ makes it
+        if not harmonic:  # the naive alternative: the arithmetic mean size as "b"
+            sums[1] = sums[2] ** 2 / total
+        small, g2, trace = window_noise_terms(sums, float(w.grad.pow(2).sum()), total)
+        sums.zero_()
+        state = update_ema(state, g2, trace, beta=0.99)
+    for handle in handles:
+        handle.remove()
+    return noise_scale(state)
+
+
+def test_unequal_micro_batches_are_weighted_by_their_true_share():
+    """Sizes 1, 2, 4 and 25 (a mean of 8): the harmonic-mean weighting lands within 10% of the
+    true noise scale; taking the arithmetic mean size as b would be far off."""
+    assert weighted_estimate([1, 2, 4, 25], harmonic=True) == pytest.approx(10.0, rel=0.10)
+    assert not weighted_estimate([1, 2, 4, 25], harmonic=False) == pytest.approx(10.0, rel=0.5)
+
+
+def test_lm_measurement_is_in_target_tokens_and_does_not_change_the_run(tmp_path, tiny_gpt2_dir, lm_data_files, capsys):
+    from conftest import final_weights, max_abs_difference, read_metrics, run_in_process, tiny_lm_args
+
+    common = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "max_train_steps": 4}
+    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path / "plain", **common))
+    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path / "measured", measure_noise_scale=True, **common))
+    assert max_abs_difference(final_weights(tmp_path / "measured"), final_weights(tmp_path / "plain")) == 0.0
+    records = read_metrics(tmp_path / "measured")
+    assert all(r["grad_sq_small"] > r["grad_sq_big"] > 0 and "noise_scale" in r for r in records)
+    assert "target tokens" in capsys.readouterr().out
