@@ -128,16 +128,19 @@ def plan_windows(batches_per_epoch: int, num_train_epochs: int, per_device_train
     epoch ends with a short window when its batches do not divide. An adaptive schedule is
     planned at its starting batch: its LR scheduler counts in those updates.
     """
-    plan, update = [], 0
-    for epoch in range(num_train_epochs):
+    if batches_per_epoch <= 0:
+        raise ConfigError("the training set gives no batches; check the data and --max_train_samples")
+    plan, update, epoch = [], 0, 0
+    # --max_train_steps overrides the epochs, in either direction (as in batch_arithmetic.num_update_steps).
+    while (epoch < num_train_epochs) if max_train_steps is None else (update < max_train_steps):
         windows, left = [], batches_per_epoch
         while left > 0 and (max_train_steps is None or update < max_train_steps):
             effective = scheduled_effective_batch(schedule, start_effective_batch_size, update, epoch)
             windows.append(min(effective // (per_device_train_batch_size * num_processes), left))
             left -= windows[-1]
             update += 1
-        if windows:
-            plan.append(windows)
+        plan.append(windows)
+        epoch += 1
     return plan
 
 

@@ -90,8 +90,10 @@ def label_names(raw: datasets.DatasetDict, label_column: str) -> list[str]:
     never shows is an error, since the classifier has no output for it.
     """
     kinds = {split: ds.features[label_column] for split, ds in raw.items()}
-    if hasattr(kinds["train"], "names"):
-        return list(kinds["train"].names)
+    if hasattr(kinds["train"], "names"):  # ClassLabel: every split shares the names; a class may still lack training rows
+        names = list(kinds["train"].names)
+        _check_labels_seen_in_train(raw, label_column, to_name=lambda i: names[i], train_names=[names[i] for i in sorted(set(raw["train"][label_column]))])
+        return names
     for split, ds in raw.items():
         value_types = sorted({type(v).__name__ for v in ds[label_column]})
         if len(value_types) > 1:
@@ -106,14 +108,18 @@ def label_names(raw: datasets.DatasetDict, label_column: str) -> list[str]:
             "write the labels the same way in every file (all names, or all integer ids)"
         )
     names = [str(v) for v in sorted(set(raw["train"][label_column]))]  # integer ids keep their numeric order
+    _check_labels_seen_in_train(raw, label_column, to_name=str, train_names=names)
+    return names
+
+
+def _check_labels_seen_in_train(raw: datasets.DatasetDict, label_column: str, to_name, train_names: list[str]) -> None:
     for split, ds in raw.items():
-        unknown = sorted({str(v) for v in ds[label_column]} - set(names))
+        unknown = sorted({to_name(v) for v in set(ds[label_column])} - set(train_names))
         if unknown:
             raise ConfigError(
-                f"the {split} split has label(s) {', '.join(unknown[:5])} that the train split never shows (it has {', '.join(names[:10])}); "
+                f"the {split} split has label(s) {', '.join(unknown[:5])} that the train split never shows (it has {', '.join(train_names[:10])}); "
                 "fix the labels, or move those rows into the train split"
             )
-    return names
 
 
 def load_hub_dataset(dataset_name: str, dataset_config_name: str | None = None) -> datasets.DatasetDict:
@@ -185,3 +191,16 @@ def seeded_dataloaders(tokenized: datasets.DatasetDict, collate_fn, per_device_t
     evaluation = DataLoader(tokenized["validation"], collate_fn=collate_fn, batch_size=per_device_eval_batch_size,
                             generator=torch.Generator().manual_seed(seed))
     return train, evaluation
+
+
+def load_image_folder(train_dir: str, validation_dir: str | None = None) -> datasets.DatasetDict:
+    """An `imagefolder` DatasetDict (one sub-folder per class gives `image` and `label`) from local folders."""
+    folders = {"train": train_dir} | ({"validation": validation_dir} if validation_dir else {})
+    for split, folder in folders.items():
+        if not Path(folder).is_dir():
+            raise ConfigError(f"--{split}_dir {folder} is not a folder; pass a folder with one sub-folder of images per class")
+    try:
+        return datasets.load_dataset("imagefolder", data_files={split: str(Path(folder) / "**") for split, folder in folders.items()})
+    except Exception as exc:  # the builder raises many types, all with long tracebacks
+        raise ConfigError(f"could not read {' and '.join(folders.values())} as image folders: {str(exc).strip().splitlines()[0]} "
+                          "(expected one sub-folder of images per class)") from exc

@@ -133,3 +133,22 @@ def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target
+
+
+def load_digits_images(test_size: float = 0.2, seed: int = 42) -> datasets.DatasetDict:
+    """scikit-learn's handwritten digits as an image DatasetDict with `train` and `validation` (stratified).
+
+    1,797 real 8×8 grayscale scans from the UCI ML hand-written digits set (Alpaydin & Kaynak
+    1998), shipped inside scikit-learn (BSD-3): no download. Columns: `image` (PIL, mode L) and
+    `label` (ClassLabel "0".."9").
+    """
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = [Image.fromarray(np.round(pixels * 255 / 16).astype(np.uint8), mode="L") for pixels in digits.images]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(d) for d in range(10)])})
+    full = datasets.Dataset.from_dict({"image": images, "label": digits.target.tolist()}, features=features)
+    split = full.train_test_split(test_size=test_size, seed=seed, stratify_by_column="label")
+    return datasets.DatasetDict(train=split["train"], validation=split["test"])

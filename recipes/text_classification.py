@@ -29,7 +29,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
@@ -50,7 +49,6 @@ from ft_accum.noise_scale import add_micro_batch, advise_effective_batch, noise_
 from ft_accum.offline_assets import bundled_minilm_dir, load_bbc_news
 from ft_accum.run_outputs import append_metrics, check_mixed_precision, prepare_output_dir, resolve_report_to, save_final, truncate_metrics
 
-logger = get_logger(__name__)
 
 
 @dataclass

@@ -54,7 +54,7 @@ def test_a_scheduled_batch_that_does_not_divide_suggests_the_nearest_that_do():
         check_schedule(parse_accumulation_schedule("adaptive:max=4"), 4, 1, 8)
 
 
-@pytest.mark.parametrize("batches, accumulation, epochs, max_steps", [(10, 4, 3, None), (12, 4, 2, None), (7, 1, 2, 5), (9, 16, 2, None)])
+@pytest.mark.parametrize("batches, accumulation, epochs, max_steps", [(10, 4, 3, None), (12, 4, 2, None), (7, 1, 2, 5), (9, 16, 2, None), (2, 4, 1, 3)])
 def test_without_a_schedule_the_plan_is_the_plain_batch_arithmetic(batches, accumulation, epochs, max_steps):
     plan = plan_windows(batches, epochs, 2, 1, 2 * accumulation, None, max_steps)
     assert sum(map(len, plan)) == batch_arithmetic.num_update_steps(batches, accumulation, epochs, max_steps)
