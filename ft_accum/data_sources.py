@@ -204,3 +204,43 @@ def load_image_folder(train_dir: str, validation_dir: str | None = None) -> data
     except Exception as exc:  # the builder raises many types, all with long tracebacks
         raise ConfigError(f"could not read {' and '.join(folders.values())} as image folders: {str(exc).strip().splitlines()[0]} "
                           "(expected one sub-folder of images per class)") from exc
+
+
+def find_tags_column(ds: datasets.Dataset) -> str:
+    """The one column named `*_tags` (CoNLL style: ner_tags, pos_tags …), for a --label_column left unset."""
+    found = [c for c in ds.column_names if c.endswith("_tags")]
+    if len(found) != 1:
+        raise ConfigError(f"cannot tell the tag column from {', '.join(ds.column_names)} ({len(found)} end in _tags); pass --label_column")
+    return found[0]
+
+
+def tag_names(raw: datasets.DatasetDict, tokens_column: str, label_column: str) -> list[str]:
+    """The tag set of a token-classification DatasetDict: a ClassLabel's names, or the sorted distinct tags.
+
+    Every row must hold as many tags as words, and a validation tag the train split never shows
+    is an error, as for sequence labels (`label_names`).
+    """
+    for split, ds in raw.items():
+        for i, (words, tags) in enumerate(zip(ds[tokens_column], ds[label_column])):
+            if not isinstance(words, list) or not isinstance(tags, list) or len(words) != len(tags):
+                kind = f"{len(words)} words and {len(tags)} tags" if isinstance(words, list) and isinstance(tags, list) else "no lists"
+                raise ConfigError(f"row {i} of the {split} split has {kind} in --tokens_column {tokens_column!r} / --label_column "
+                                  f"{label_column!r}; each row needs a list of words and a list of as many tags")
+    feature = raw["train"].features[label_column]
+    inner = getattr(feature, "feature", None)
+    if inner is None and isinstance(feature, list) and feature:  # datasets ≥ 3 writes plain lists as [Value]
+        inner = feature[0]
+    flat = {split: {t for row in ds[label_column] for t in row} for split, ds in raw.items()}
+    if hasattr(inner, "names"):
+        names = list(inner.names)
+        seen = {names[i] for i in flat["train"]}
+        to_name = names.__getitem__
+    else:
+        names = sorted(str(t) for t in flat["train"])
+        seen, to_name = set(names), str
+    for split, tags in flat.items():
+        unknown = sorted({to_name(t) for t in tags} - seen)
+        if unknown:
+            raise ConfigError(f"the {split} split has tag(s) {', '.join(unknown[:5])} that the train split never shows "
+                              f"(it has {', '.join(sorted(seen)[:10])}); fix the tags, or move those rows into the train split")
+    return names

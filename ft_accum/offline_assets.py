@@ -152,3 +152,47 @@ def load_digits_images(test_size: float = 0.2, seed: int = 42) -> datasets.Datas
     full = datasets.Dataset.from_dict({"image": images, "label": digits.target.tolist()}, features=features)
     split = full.train_test_split(test_size=test_size, seed=seed, stratify_by_column="label")
     return datasets.DatasetDict(train=split["train"], validation=split["test"])
+
+
+PUNCTUATION_TAGS = ("O", "B-COMMA", "B-PERIOD", "B-QUESTION")
+_PUNCTUATION = {",": "B-COMMA", ".": "B-PERIOD", "!": "B-PERIOD", ";": "B-PERIOD", ":": "B-COMMA", "?": "B-QUESTION"}
+
+
+def punctuation_example(text: str) -> tuple[list[str], list[str]]:
+    """(lower-cased words without punctuation, the punctuation tag after each word).
+
+    "Sales rose, he said." → (["sales", "rose", "he", "said"], ["O", "B-COMMA", "O", "B-PERIOD"]).
+    Each tag is a one-word entity in IOB form, so seqeval scores per punctuation mark.
+    """
+    words, tags = [], []
+    for raw in text.split():
+        trailing = raw.rstrip("\"')]")
+        word = "".join(c for c in raw.lower().strip("\"'()[],.;:!?") if c.isprintable())
+        if word:
+            words.append(word)
+            tags.append(_PUNCTUATION.get(trailing[-1:], "O"))
+    return words, tags
+
+
+def load_punctuation_restoration(words_per_example: int = 64, seed: int = 42) -> datasets.DatasetDict:
+    """Punctuation restoration on BBC News: a real token-classification task built offline.
+
+    The input is an article's words, lower-cased and stripped of punctuation (as a speech
+    recogniser's output reads); the target is the mark that followed each word: comma, period or
+    question mark (IOB tags, one word per entity). Articles are cut into examples of
+    `words_per_example` words; the train/validation split is the one of `load_bbc_news`, by article.
+    Columns: `tokens` and `punct_tags` (a sequence of ClassLabel over PUNCTUATION_TAGS).
+    """
+    news = load_bbc_news(seed=seed)
+    features = datasets.Features({"tokens": datasets.Sequence(datasets.Value("string")),
+                                  "punct_tags": datasets.Sequence(datasets.ClassLabel(names=list(PUNCTUATION_TAGS)))})
+    splits = {}
+    for split, articles in news.items():
+        rows = {"tokens": [], "punct_tags": []}
+        for text in articles["text"]:
+            words, tags = punctuation_example(" ".join(text.splitlines()[1:]))  # the body: the first line is the title
+            for start in range(0, len(words), words_per_example):
+                rows["tokens"].append(words[start:start + words_per_example])
+                rows["punct_tags"].append([PUNCTUATION_TAGS.index(t) for t in tags[start:start + words_per_example]])
+        splits[split] = datasets.Dataset.from_dict(rows, features=features)
+    return datasets.DatasetDict(splits)

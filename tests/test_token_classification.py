@@ -1,0 +1,104 @@
+"""recipes/token_classification.py: label-token-weighted accumulation against the full batch, end to end.
+
+The tiny BERT's vocabulary gains "##s", so plural words split into two sub-tokens and the label
+alignment (first sub-token only, or all of them) matters. Sentences of 3 to 30 words with about
+half of them tagged make the labelled-token count differ from micro-batch to micro-batch.
+"""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from conftest import COMMON, TOPICS, assert_same_run, error_of, final_weights, launch, max_abs_difference, read_metrics, run_in_process, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tiny_tagger_dir(tmp_path_factory):
+    from transformers import BertConfig, BertForTokenClassification, BertTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-bert-tagger")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "##s"] + sorted({w for ws in TOPICS.values() for w in ws} | set(COMMON))
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)})
+    assert tokenizer.tokenize("goals") == ["goal", "##s"]
+    tokenizer.save_pretrained(path)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
+    torch.manual_seed(0)
+    BertForTokenClassification(config).save_pretrained(path)
+    return path
+
+
+def tagged_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words, tags = [], []
+        for _ in range(rng.randint(3, 30)):
+            topic = rng.choice(["sport", "money", None, None])
+            word = rng.choice(TOPICS[topic] if topic else COMMON)
+            words.append(word + ("s" if rng.random() < 0.3 else ""))
+            tags.append(f"B-{topic.upper()}" if topic else "O")
+        rows.append({"tokens": words, "ner_tags": tags})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tag_files(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tag-data")
+    return {"train": write_jsonl(path / "train.jsonl", tagged_rows(48, seed=1)), "validation": write_jsonl(path / "validation.jsonl", tagged_rows(12, seed=2))}
+
+
+def tagger_args(model_dir, data, output_dir, **overrides):
+    settings = {"model_name_or_path": model_dir, "train_file": data["train"], "validation_file": data["validation"], "max_seq_length": 64,
+                "learning_rate": 1e-3, "lr_scaling": "none", "num_warmup_steps": 0, "weight_decay": 0.0, "num_train_epochs": 1,
+                "output_dir": output_dir, "report_to": "none", "seed": 7}
+    settings.update(overrides)
+    return [f"--{k}={v}" for k, v in settings.items() if v is not None]
+
+
+def test_accumulation_matches_the_full_batch_with_varying_labelled_tokens(tmp_path, tiny_tagger_dir, tag_files):
+    run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1))
+    run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "accum", per_device_train_batch_size=2, gradient_accumulation_steps=4))
+    counts = [b["tokens_seen"] - a["tokens_seen"] for a, b in zip([{"tokens_seen": 0}] + read_metrics(tmp_path / "full"), read_metrics(tmp_path / "full"))]
+    assert len(set(counts)) > 3, f"the labelled-token count should vary per update: {counts}"
+    assert_same_run(tmp_path / "accum", tmp_path / "full")
+
+
+def test_only_first_sub_tokens_are_labelled_unless_asked(tmp_path, tiny_tagger_dir, tag_files):
+    rows = [json.loads(line) for line in tag_files["train"].read_text().splitlines()]
+    words = sum(len(r["tokens"]) for r in rows)
+    plurals = sum(w.endswith("s") and w[:-1] in {x for ws in TOPICS.values() for x in ws} | set(COMMON) for r in rows for w in r["tokens"])
+    first = run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "first", per_device_train_batch_size=8, gradient_accumulation_steps=1))
+    run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "all", per_device_train_batch_size=8, gradient_accumulation_steps=1, label_all_tokens=True))
+    assert read_metrics(tmp_path / "first")[-1]["tokens_seen"] == words
+    assert read_metrics(tmp_path / "all")[-1]["tokens_seen"] == words + plurals > words
+    assert {"eval_f1", "eval_precision", "eval_recall", "eval_f1_SPORT", "eval_f1_MONEY"} <= set(first)
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    ({"label_column": "ner"}, ["--label_column 'ner' is not a column", "tokens, ner_tags"]),
+    ({"tokens_column": "words"}, ["--tokens_column 'words' is not a column"]),
+    ({"_validation": [{"tokens": ["goal"], "ner_tags": ["B-PERSON"]}]}, ["tag(s) B-PERSON that the train split never shows"]),
+    ({"_validation": [{"tokens": ["goal", "match"], "ner_tags": ["O"]}]}, ["row 0 of the validation split has 2 words and 1 tags"]),
+])
+def test_bad_tagging_inputs_stop_with_one_line(tmp_path, tiny_tagger_dir, tag_files, overrides, fragments):
+    data = dict(tag_files)
+    if "_validation" in overrides:
+        data["validation"] = write_jsonl(tmp_path / "bad.jsonl", overrides.pop("_validation"))
+    message = error_of("token_classification", tagger_args(tiny_tagger_dir, data, tmp_path / "out", **overrides))
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+@pytest.mark.launch
+def test_launch_and_resume(tmp_path, tiny_tagger_dir, tag_files):
+    common = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}
+    launch("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "full", checkpointing_steps=3, **common))
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_000003", resumed / "checkpoints" / "step_000003")
+    launch("token_classification", tagger_args(tiny_tagger_dir, tag_files, resumed, resume_from_checkpoint="latest", **common))
+    assert [r["step"] for r in read_metrics(resumed)] == [4, 5, 6]
+    assert max_abs_difference(final_weights(resumed), final_weights(tmp_path / "full")) == 0.0
