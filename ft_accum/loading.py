@@ -27,8 +27,26 @@ def load_pretrained(auto_class, name: str, trust_remote_code: bool = False, **kw
         raise ConfigError(f"could not load model {name!r}: {str(exc).strip().splitlines()[0]} ({hint})") from exc
 
 
-def check_context_length(model, length: int, flag: str) -> None:
-    """Refuse sequences longer than the model's position embeddings (they would index past them)."""
-    context = getattr(model.config, "max_position_embeddings", None)
+def check_context_length(config, length: int, flag: str) -> None:
+    """Refuse sequences longer than the position embeddings of the model `config` describes (they would index past them)."""
+    context = getattr(config, "max_position_embeddings", None)
     if context and length > context:
         raise ConfigError(f"{flag} {length} is longer than the model's {context} positions; use {flag} {context} or less")
+
+
+def warm_start_encoder_decoder(name: str, tokenizer):
+    """An EncoderDecoderModel whose encoder and decoder both start from the encoder checkpoint `name`.
+
+    Rothe et al. 2020 ("Leveraging Pre-trained Checkpoints for Sequence Generation Tasks",
+    arXiv:1907.12461): BERT-to-BERT warm starts beat random initialisation; only the decoder's
+    cross-attention (and LM head transform) start untrained. Generation starts from [CLS] and
+    stops at [SEP] (BOS/EOS for tokenizers without them).
+    """
+    from transformers import EncoderDecoderModel
+
+    model = EncoderDecoderModel.from_encoder_decoder_pretrained(name, name)
+    start = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
+    end = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
+    model.config.update({"decoder_start_token_id": start, "eos_token_id": end, "pad_token_id": tokenizer.pad_token_id})
+    model.generation_config.update(decoder_start_token_id=start, eos_token_id=end, pad_token_id=tokenizer.pad_token_id)
+    return model

@@ -196,3 +196,17 @@ def load_punctuation_restoration(words_per_example: int = 64, seed: int = 42) ->
                 rows["punct_tags"].append([PUNCTUATION_TAGS.index(t) for t in tags[start:start + words_per_example]])
         splits[split] = datasets.Dataset.from_dict(rows, features=features)
     return datasets.DatasetDict(splits)
+
+
+def load_bbc_headlines(seed: int = 42) -> datasets.DatasetDict:
+    """BBC News articles → their headlines: a real summarisation-style task, offline.
+
+    Each article file's first line is its title; the rest is the body. Columns: `source` (body)
+    and `target` (title); the train/validation split is the one of `load_bbc_news`.
+    """
+    def split_title(rows):
+        parts = [text.split("\n", 1) for text in rows["text"]]
+        return {"source": [" ".join(p[1].split()) if len(p) > 1 else "" for p in parts], "target": [p[0].strip() for p in parts]}
+
+    news = load_bbc_news(seed=seed)
+    return news.map(split_title, batched=True, remove_columns=news["train"].column_names)

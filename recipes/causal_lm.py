@@ -119,7 +119,7 @@ def build_model(cfg):
     peft = import_peft() if cfg.use_lora else None
     tokenizer = load_pretrained(AutoTokenizer, name, cfg.trust_remote_code)
     model = load_pretrained(AutoModelForCausalLM, name, cfg.trust_remote_code)
-    check_context_length(model, cfg.block_size, "--block_size")
+    check_context_length(model.config, cfg.block_size, "--block_size")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
     if cfg.gradient_checkpointing:

@@ -113,7 +113,7 @@ def build_model(cfg, num_labels, label_names):
         AutoModelForSequenceClassification, name, cfg.trust_remote_code, num_labels=num_labels, id2label=dict(enumerate(label_names)),
         # A head trained for another label set is replaced (transformers prints which weights).
         label2id={n: i for i, n in enumerate(label_names)}, ignore_mismatched_sizes=True)
-    check_context_length(model, cfg.max_seq_length, "--max_seq_length")
+    check_context_length(model.config, cfg.max_seq_length, "--max_seq_length")
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing is the variant that works under DDP with unused parameters.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
