@@ -273,7 +273,8 @@ def train(cfg):
         for batch in batches:
             if schedule and not micro_losses:  # a window starts: the schedule sets its size
                 target = next_effective_batch(schedule, effective, state["step"], epoch, state["effective_batch_size"],
-                                              state["last_change"], state["noise_scale_ema"] and noise_scale(state["noise_scale_ema"]))
+                                              # the noise scale is in tokens; the schedule counts sequences
+                                              state["last_change"], state["noise_scale_ema"] and noise_scale(state["noise_scale_ema"]) * state["samples_seen"] / state["tokens_seen"])
                 if target != state["effective_batch_size"]:
                     state.update(effective_batch_size=target, last_change=state["step"])
                 if target != micro * accumulation * num_processes:  # a change, or the resume of a changed run

@@ -102,3 +102,13 @@ def test_launch_and_resume(tmp_path, tiny_tagger_dir, tag_files):
     launch("token_classification", tagger_args(tiny_tagger_dir, tag_files, resumed, resume_from_checkpoint="latest", **common))
     assert [r["step"] for r in read_metrics(resumed)] == [4, 5, 6]
     assert max_abs_difference(final_weights(resumed), final_weights(tmp_path / "full")) == 0.0
+
+
+def test_an_adaptive_schedule_runs_in_a_token_weighted_recipe(tmp_path, tiny_tagger_dir, tag_files):
+    """The noise scale is measured in labelled tokens and converted to sequences for the schedule;
+    with a tiny factor the batch doubles every 2 updates and the run still ends with the data."""
+    run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                                       accumulation_schedule="adaptive:max=16,factor=0.01,patience=2"))
+    records = read_metrics(tmp_path)
+    assert [r["effective_batch_size"] for r in records][:4] == [4, 4, 8, 8] and records[-1]["samples_seen"] == 48
+    assert all("noise_scale" in r for r in records)
