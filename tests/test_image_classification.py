@@ -132,10 +132,10 @@ def test_a_validation_class_the_training_folder_lacks_is_named(tmp_path, mixed_m
 
 @pytest.mark.launch
 def test_launch_resume_and_pipeline(tmp_path):
-    """Through `accelerate launch`: a run checkpointed at update 3 of 6, resumed from that checkpoint
-    in a fresh folder, ends bit-identical; the saved model loads into pipeline()."""
+    """A run checkpointed at update 3 of 6 (in-process), resumed from that checkpoint in a fresh
+    folder through `accelerate launch`, ends bit-identical; the saved model loads into pipeline()."""
     common = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, "max_train_samples": 96, "batchnorm": "groupnorm"}
-    launch("image_classification", image_args(tmp_path / "full", checkpointing_steps=3, **common))
+    run_in_process("image_classification", image_args(tmp_path / "full", checkpointing_steps=3, **common))
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_000003", resumed / "checkpoints" / "step_000003")

@@ -76,7 +76,7 @@ def test_bad_seq2seq_inputs_stop_with_one_line(tmp_path, tiny_model_dir, pair_fi
 @pytest.mark.launch
 def test_launch_and_resume(tmp_path, tiny_t5_dir, pair_files):
     common = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "num_beams": 2}
-    launch("seq2seq", s2s_args(tiny_t5_dir, pair_files, tmp_path / "full", checkpointing_steps=3, **common))
+    run_in_process("seq2seq", s2s_args(tiny_t5_dir, pair_files, tmp_path / "full", checkpointing_steps=3, **common))  # the resume goes through the CLI
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_000003", resumed / "checkpoints" / "step_000003")

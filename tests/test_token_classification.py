@@ -95,7 +95,7 @@ def test_bad_tagging_inputs_stop_with_one_line(tmp_path, tiny_tagger_dir, tag_fi
 @pytest.mark.launch
 def test_launch_and_resume(tmp_path, tiny_tagger_dir, tag_files):
     common = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}
-    launch("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "full", checkpointing_steps=3, **common))
+    run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "full", checkpointing_steps=3, **common))  # the resume goes through the CLI
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_000003", resumed / "checkpoints" / "step_000003")
