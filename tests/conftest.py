@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -272,3 +273,11 @@ def snapshot(folder: Path) -> dict[str, str]:
 def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def copy_checkpoint(run_dir: Path, step: int, new_output_dir: Path) -> Path:
+    """A fresh --output_dir holding only `run_dir`'s checkpoint at `step`: what a crash right after it leaves to resume from."""
+    name = f"step_{step:06d}"
+    (new_output_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / name, new_output_dir / "checkpoints" / name)
+    return new_output_dir

@@ -5,11 +5,10 @@ that takes the same samples in the same order, in full batches of the scheduled 
 LR-scaling policy re-applied at each change and the LR schedule sized to the real updates.
 """
 
-import shutil
 
 import pytest
 import torch
-from conftest import error_of, final_weights, max_abs_difference, read_metrics, relative_error, run_in_process, tiny_args
+from conftest import copy_checkpoint, error_of, final_weights, max_abs_difference, read_metrics, relative_error, run_in_process, tiny_args
 
 from ft_accum import batch_arithmetic
 from ft_accum.accumulation_schedule import (
@@ -206,9 +205,7 @@ def test_an_adaptive_run_resumed_after_a_change_is_bit_identical(tmp_path, adapt
     EMA, the data position and the LR schedule must all come back."""
     records = read_metrics(adaptive_run)
     step = next(i for i, r in enumerate(records) if r["effective_batch_size"] == 8) + 2
-    out = tmp_path / "resumed"
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(adaptive_run / "checkpoints" / f"step_{step:06d}", out / "checkpoints" / f"step_{step:06d}")
+    out = copy_checkpoint(adaptive_run, step, tmp_path / "resumed")
     run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, out, resume_from_checkpoint="latest", checkpointing_steps=1, **ADAPTIVE))
     assert [r["effective_batch_size"] for r in read_metrics(out)] == [r["effective_batch_size"] for r in records[step:]]
     assert max_abs_difference(final_weights(out), final_weights(adaptive_run)) == 0.0
@@ -219,9 +216,7 @@ def test_a_run_resumed_at_an_epoch_boundary_is_bit_identical(tmp_path, tiny_mode
     start epoch 1 at its first batch."""
     common = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_train_epochs": 2, "accumulation_schedule": "epoch1:16"}
     run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path / "full", checkpointing_steps=6, **common))
-    out = tmp_path / "resumed"
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_000006", out / "checkpoints" / "step_000006")
+    out = copy_checkpoint(tmp_path / "full", 6, tmp_path / "resumed")
     run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, out, resume_from_checkpoint="latest", **common))
     assert [r["samples_seen"] for r in read_metrics(out)] == [r["samples_seen"] for r in read_metrics(tmp_path / "full")][6:]
     assert max_abs_difference(final_weights(out), final_weights(tmp_path / "full")) == 0.0

@@ -6,11 +6,10 @@ order unless the normalisation itself differs.
 """
 
 import json
-import shutil
 
 import pytest
 import torch
-from conftest import error_of, final_weights, launch, max_abs_difference, read_metrics, relative_error, run_in_process
+from conftest import copy_checkpoint, error_of, final_weights, launch, max_abs_difference, read_metrics, relative_error, run_in_process
 
 from ft_accum.norm import apply_batchnorm_policy, convert_batchnorm_to_groupnorm, find_batchnorm, freeze_batchnorm, group_count
 
@@ -136,9 +135,7 @@ def test_launch_resume_and_pipeline(tmp_path):
     folder through `accelerate launch`, ends bit-identical; the saved model loads into pipeline()."""
     common = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, "max_train_samples": 96, "batchnorm": "groupnorm"}
     run_in_process("image_classification", image_args(tmp_path / "full", checkpointing_steps=3, **common))
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_000003", resumed / "checkpoints" / "step_000003")
+    resumed = copy_checkpoint(tmp_path / "full", 3, tmp_path / "resumed")
     launch("image_classification", image_args(resumed, resume_from_checkpoint="latest", **common))
     assert [r["step"] for r in read_metrics(resumed)] == [4, 5, 6]
     assert max_abs_difference(final_weights(resumed), final_weights(tmp_path / "full")) == 0.0

@@ -5,11 +5,10 @@ Targets of 1 to 12 words make the target-token count differ from micro-batch to 
 """
 
 import random
-import shutil
 
 import pytest
 import torch
-from conftest import COMMON, TOPICS, assert_same_run, error_of, final_weights, launch, max_abs_difference, read_metrics, run_in_process, write_jsonl
+from conftest import copy_checkpoint, COMMON, TOPICS, assert_same_run, error_of, final_weights, launch, max_abs_difference, read_metrics, run_in_process, write_jsonl
 
 
 def pairs(n: int, seed: int) -> list[dict]:
@@ -77,9 +76,7 @@ def test_bad_seq2seq_inputs_stop_with_one_line(tmp_path, tiny_model_dir, pair_fi
 def test_launch_and_resume(tmp_path, tiny_t5_dir, pair_files):
     common = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "num_beams": 2}
     run_in_process("seq2seq", s2s_args(tiny_t5_dir, pair_files, tmp_path / "full", checkpointing_steps=3, **common))  # the resume goes through the CLI
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_000003", resumed / "checkpoints" / "step_000003")
+    resumed = copy_checkpoint(tmp_path / "full", 3, tmp_path / "resumed")
     launch("seq2seq", s2s_args(tiny_t5_dir, pair_files, resumed, resume_from_checkpoint="latest", **common))
     assert [r["step"] for r in read_metrics(resumed)] == [4, 5, 6]
     assert max_abs_difference(final_weights(resumed), final_weights(tmp_path / "full")) == 0.0

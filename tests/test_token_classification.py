@@ -7,11 +7,10 @@ half of them tagged make the labelled-token count differ from micro-batch to mic
 
 import json
 import random
-import shutil
 
 import pytest
 import torch
-from conftest import COMMON, TOPICS, assert_same_run, error_of, final_weights, launch, max_abs_difference, read_metrics, run_in_process, write_jsonl
+from conftest import copy_checkpoint, COMMON, TOPICS, assert_same_run, error_of, final_weights, launch, max_abs_difference, read_metrics, run_in_process, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +95,7 @@ def test_bad_tagging_inputs_stop_with_one_line(tmp_path, tiny_tagger_dir, tag_fi
 def test_launch_and_resume(tmp_path, tiny_tagger_dir, tag_files):
     common = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}
     run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "full", checkpointing_steps=3, **common))  # the resume goes through the CLI
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_000003", resumed / "checkpoints" / "step_000003")
+    resumed = copy_checkpoint(tmp_path / "full", 3, tmp_path / "resumed")
     launch("token_classification", tagger_args(tiny_tagger_dir, tag_files, resumed, resume_from_checkpoint="latest", **common))
     assert [r["step"] for r in read_metrics(resumed)] == [4, 5, 6]
     assert max_abs_difference(final_weights(resumed), final_weights(tmp_path / "full")) == 0.0
