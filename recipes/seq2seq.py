@@ -169,15 +169,16 @@ def evaluate_model(cfg, model, eval_dataloader, accelerator, tokenizer, rouge):
     for batch in tqdm(eval_dataloader, desc="evaluating", leave=False, disable=not accelerator.is_local_main_process):
         labels = batch.pop("labels")
         with torch.no_grad():
-            batch_loss, batch_count = target_loss_sum(model(**batch).logits, labels)
+            logits = model(**batch).logits.float()
             generated = accelerator.unwrap_model(model).generate(
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_beams=cfg.num_beams, max_new_tokens=cfg.max_target_length)
-        totals = accelerator.reduce(torch.stack([batch_loss.double(), batch_count.double()]), reduction="sum")
-        loss_sum, count = loss_sum + totals[0].item(), count + int(totals[1])
-        # Pad to one length before gathering: processes generate and pad to different lengths.
+        row_losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none").sum(1)
+        # Pad to one length before gathering: processes generate and pad to different lengths. gather_for_metrics
+        # drops the rows Accelerate repeated to even out the last batch.
         generated = accelerator.pad_across_processes(generated, dim=1, pad_index=tokenizer.pad_token_id)
         labels = accelerator.pad_across_processes(labels, dim=1, pad_index=-100)
-        generated, labels = accelerator.gather_for_metrics((generated, labels))
+        generated, labels, row_losses = accelerator.gather_for_metrics((generated, labels, row_losses))
+        loss_sum, count = loss_sum + row_losses.sum().item(), count + int((labels != -100).sum())
         predictions += tokenizer.batch_decode(generated, skip_special_tokens=True)
         references += tokenizer.batch_decode(labels.masked_fill(labels == -100, tokenizer.pad_token_id), skip_special_tokens=True)
     model.train()
