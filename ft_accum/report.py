@@ -80,7 +80,10 @@ def make_report(paths: list[str], out_dir: str | None = None) -> Path:
             points = [(a, r[y_key]) for a, r in zip(x, records) if r.get(y_key) is not None and r[y_key] == r[y_key] and r[y_key] != float("inf")]
             if points:
                 line, = ax.plot(*zip(*points), label=run["name"], linewidth=1.4)
-                if key == "noise_scale" and run["results"].get("effective_batch_size"):
+                batches = [(a, r["noise_scale_batch"]) for a, r in zip(x, records) if r.get("noise_scale_batch")]
+                if key == "noise_scale" and batches:  # the batch per update, in the noise scale's unit (samples or tokens)
+                    ax.step(*zip(*batches), where="post", color=line.get_color(), linestyle="--", linewidth=1, label=f"{run['name']}: batch")
+                elif key == "noise_scale" and run["results"].get("effective_batch_size"):
                     ax.axhline(run["results"]["effective_batch_size"], color=line.get_color(), linestyle="--", linewidth=1,
                                label=f"{run['name']}: effective batch")
         if log:

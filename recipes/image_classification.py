@@ -336,7 +336,8 @@ def train(cfg):
                     small, g2, trace = window_noise_terms(accelerator.reduce(noise_sums, reduction="sum"), float(grad_norm) ** 2, samples)
                     noise_sums.zero_()
                     state["noise_scale_ema"] = update_ema(state["noise_scale_ema"], g2, trace)
-                    noise = {"noise_scale": noise_scale(state["noise_scale_ema"]), "grad_sq_small": small, "grad_sq_big": float(grad_norm) ** 2}
+                    noise = {"noise_scale": noise_scale(state["noise_scale_ema"]), "grad_sq_small": small, "grad_sq_big": float(grad_norm) ** 2,
+                             "noise_scale_batch": samples}  # this update's batch in the noise scale's unit
                 now = time.perf_counter()
                 micro_losses.clear()
                 record = {"step": state["step"], "epoch": epoch + state["epoch_samples"] / (micro * len(train_dataloader)), "loss": loss, "lr": lr_scheduler.get_last_lr()[0],

