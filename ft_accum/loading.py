@@ -48,5 +48,6 @@ def warm_start_encoder_decoder(name: str, tokenizer):
     start = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
     end = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
     model.config.update({"decoder_start_token_id": start, "eos_token_id": end, "pad_token_id": tokenizer.pad_token_id})
-    model.generation_config.update(decoder_start_token_id=start, eos_token_id=end, pad_token_id=tokenizer.pad_token_id)
+    # No repeated trigrams: an undertrained warm start otherwise loops ("- 1 - 1 - 1"); the HF bert2bert recipe does the same.
+    model.generation_config.update(decoder_start_token_id=start, eos_token_id=end, pad_token_id=tokenizer.pad_token_id, no_repeat_ngram_size=3)
     return model
