@@ -24,12 +24,25 @@ def resolve_report_to(report_to: str) -> str | None:
     return None if report_to == "none" else report_to
 
 
-def check_mixed_precision(accelerator) -> None:
-    """fp16 without CUDA is an error: Accelerate 1.15 accepts it and silently trains in fp32."""
+def check_accelerator(accelerator) -> None:
+    """Refuse the two launches Accelerate 1.15 accepts and then silently runs as something else.
+
+    - fp16 without CUDA: it trains in fp32.
+    - An engine this machine cannot run (FSDP or DeepSpeed without CUDA GPUs): `accelerate launch`
+      starts the processes, but each builds a plain one-process run and trains on all the data,
+      all of them writing the same --output_dir. torchrun's WORLD_SIZE gives it away.
+    """
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise ConfigError(
             "fp16 needs a CUDA GPU and this machine has none; launch with --mixed_precision no (or bf16), "
             "e.g. --config_file accelerate_configs/cpu.yaml"
+        )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise ConfigError(
+            f"accelerate launch started {launched} processes, but each one runs alone ({accelerator.distributed_type.value}, "
+            f"{accelerator.num_processes} process): this machine cannot run the configured engine (FSDP and DeepSpeed need CUDA GPUs); "
+            "on CPU use ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N (DDP over gloo)"
         )
 
 

@@ -50,7 +50,7 @@ from ft_accum.metrics import load_metric
 from ft_accum.noise_scale import add_micro_batch, advise_effective_batch, noise_scale, start_noise_scale_measurement, update_ema, window_noise_terms
 from ft_accum.norm import POLICIES as BATCHNORM_POLICIES, apply_batchnorm_policy
 from ft_accum.offline_assets import load_digits_images
-from ft_accum.run_outputs import append_metrics, check_mixed_precision, prepare_output_dir, resolve_report_to, save_final, truncate_metrics
+from ft_accum.run_outputs import append_metrics, check_accelerator, prepare_output_dir, resolve_report_to, save_final, truncate_metrics
 
 # transformers ≥ 5 has the PIL backend, which needs no torchvision, as a class of its own.
 ImageProcessor = getattr(transformers, "ViTImageProcessorPil", transformers.ViTImageProcessor)
@@ -196,7 +196,7 @@ def train(cfg):
         # A seeded sampler makes the sample order depend on the seed and epoch only, not on the split.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
     )
-    check_mixed_precision(accelerator)
+    check_accelerator(accelerator)
     prepare_output_dir(cfg.output_dir, resume=bool(cfg.resume_from_checkpoint), overwrite=cfg.overwrite_output_dir, is_main_process=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     # The accumulation follows from the process count, which only the Accelerator knows for sure
@@ -380,7 +380,7 @@ def train(cfg):
     results = {**eval_metrics, "train_runtime": train_seconds, "train_samples_per_second": state["samples_seen"] / train_seconds,
                "num_update_steps": state["step"], "effective_batch_size": state["effective_batch_size"], "per_device_train_batch_size": micro,
                "gradient_accumulation_steps": accumulation, "num_processes": num_processes, "learning_rate": learning_rate,
-               "mixed_precision": accelerator.mixed_precision, "peak_memory_gb": peak_memory_gb(accelerator.device)}
+               "mixed_precision": accelerator.mixed_precision, "distributed_type": accelerator.distributed_type.value, "peak_memory_gb": peak_memory_gb(accelerator.device)}
     if accelerator.is_main_process:
         (output_dir / "all_results.json").write_text(json.dumps(results, indent=2))
     accelerator.end_training()

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import set_seed
+from accelerate.utils import GradientAccumulationPlugin, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
@@ -47,7 +47,7 @@ from ft_accum.lr_schedule import build_lr_scheduler
 from ft_accum.metrics import load_metric
 from ft_accum.noise_scale import add_micro_batch, advise_effective_batch, noise_scale, start_noise_scale_measurement, update_ema, window_noise_terms
 from ft_accum.offline_assets import bundled_minilm_dir, load_bbc_news
-from ft_accum.run_outputs import append_metrics, check_mixed_precision, prepare_output_dir, resolve_report_to, save_final, truncate_metrics
+from ft_accum.run_outputs import append_metrics, check_accelerator, prepare_output_dir, resolve_report_to, save_final, truncate_metrics
 
 
 
@@ -80,6 +80,7 @@ class TrainConfig:
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward: less memory, ~30%% slower."})
     accumulation_schedule: Optional[str] = field(default=None, metadata={"help": 'Change the effective batch mid-run: "100:64,300:128" (from update 100, 300), "epoch1:64", or "adaptive[:max=256,factor=2,patience=10]" (doubles it while the noise scale exceeds factor × the batch; turns on --measure_noise_scale). The LR scaling is re-applied at each change.'})
     measure_noise_scale: bool = field(default=False, metadata={"help": "Log the gradient noise scale (McCandlish et al. 2018) per update and advise on the effective batch; needs accumulation ≥ 2."})
+    sync_each_batch: bool = field(default=False, metadata={"help": "Several processes: reduce gradients after every micro-batch, not only at the window's last. Less memory under FSDP (accelerate#2531), more communication; the update is the same."})
     auto_micro_batch: bool = field(default=False, metadata={"help": "On out-of-memory, halve the micro-batch and double the accumulation (same effective batch and LR) and retry the update. One process: with several, an OOM on one rank alone would leave the others waiting."})
     seed: int = field(default=42, metadata={"help": "Seeds the init and the sample order (the order does not depend on the batch split)."})
     output_dir: str = field(default="outputs/text_classification", metadata={"help": "Where final/, checkpoints/ and metrics go."})
@@ -179,8 +180,9 @@ def train(cfg):
         project_dir=cfg.output_dir,
         # A seeded sampler makes the sample order depend on the seed and epoch only, not on the split.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1, sync_each_batch=cfg.sync_each_batch),  # steps set below
     )
-    check_mixed_precision(accelerator)
+    check_accelerator(accelerator)
     prepare_output_dir(cfg.output_dir, resume=bool(cfg.resume_from_checkpoint), overwrite=cfg.overwrite_output_dir, is_main_process=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     # The accumulation follows from the process count, which only the Accelerator knows for sure
@@ -362,7 +364,7 @@ def train(cfg):
     results = {**eval_metrics, "train_runtime": train_seconds, "train_samples_per_second": state["samples_seen"] / train_seconds,
                "num_update_steps": state["step"], "effective_batch_size": state["effective_batch_size"], "per_device_train_batch_size": micro,
                "gradient_accumulation_steps": accumulation, "num_processes": num_processes, "learning_rate": learning_rate,
-               "mixed_precision": accelerator.mixed_precision, "peak_memory_gb": peak_memory_gb(accelerator.device)}
+               "mixed_precision": accelerator.mixed_precision, "distributed_type": accelerator.distributed_type.value, "peak_memory_gb": peak_memory_gb(accelerator.device)}
     if accelerator.is_main_process:
         (output_dir / "all_results.json").write_text(json.dumps(results, indent=2))
     accelerator.end_training()

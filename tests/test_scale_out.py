@@ -1,0 +1,43 @@
+"""Scale-out on real engines, on CPU.
+
+- DDP (MULTI_CPU over gloo) with Accelerate's `sync_each_batch`: gradients are reduced after every
+  micro-batch instead of only at the window's last (accelerate#2531: under FSDP it saves the
+  window's unsharded gradients); the update must stay the full-batch one.
+- FSDP does not run on this CPU-only torch: with the shipped accelerate_configs/fsdp.yaml,
+  `accelerate launch` starts 2 processes that each silently train alone (DistributedType.NO).
+  The recipes detect that and stop with one line instead.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import RECIPES, ROOT, assert_same_run, free_port, launch, run_in_process, tiny_args
+
+pytestmark = pytest.mark.launch
+
+
+def test_ddp_with_sync_each_batch_matches_one_full_batch_process(tmp_path, tiny_model_dir, data_files):
+    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1))
+    launch("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path / "ddp", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                            sync_each_batch=True), num_processes=2)
+    results = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
+    assert results["distributed_type"] == "MULTI_CPU" and results["num_processes"] == 2, results
+    assert_same_run(tmp_path / "ddp", tmp_path / "full")
+
+
+def test_fsdp_on_a_cpu_only_machine_stops_instead_of_running_two_lone_processes(tmp_path, tiny_model_dir, data_files):
+    config = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp.yaml").read_text())
+    assert config["distributed_type"] == "FSDP" and config["fsdp_config"]["fsdp_version"] == 2 and config["num_processes"] == 2
+    config["mixed_precision"] = "no"  # the shipped bf16 is beside the point here
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), "--main_process_port", str(free_port()),
+               str(RECIPES / "text_classification.py"), *tiny_args(tiny_model_dir, data_files, tmp_path / "out", max_train_steps=1)]
+    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode != 0
+    assert "error: accelerate launch started 2 processes, but each one runs alone (NO, 1 process)" in result.stderr + result.stdout
+    assert not (tmp_path / "out" / "all_results.json").exists()
