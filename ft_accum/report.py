@@ -78,8 +78,13 @@ def make_report(paths: list[str], out_dir: str | None = None) -> Path:
                 y_key = key
                 ax.set_ylabel(ylabel)
             points = [(a, r[y_key]) for a, r in zip(x, records) if r.get(y_key) is not None and r[y_key] == r[y_key] and r[y_key] != float("inf")]
+            if key == "noise_scale" and not points and any(r.get(y_key) == float("inf") for r in records):
+                # Every estimate infinite: |G|² was never measured positive (noise dominates). Say so, not an empty plot.
+                ax.text(0.5, 0.5, f"{run['name']}: noise scale not measurable yet (|G|² ≤ 0 at every update)",
+                        transform=ax.transAxes, ha="center", fontsize=8)
             if points:
-                line, = ax.plot(*zip(*points), label=run["name"], linewidth=1.4)
+                # Markers: the noise scale may be finite at only a few updates (inf elsewhere is left out).
+                line, = ax.plot(*zip(*points), label=run["name"], linewidth=1.4, marker="." if key == "noise_scale" else None)
                 batches = [(a, r["noise_scale_batch"]) for a, r in zip(x, records) if r.get("noise_scale_batch")]
                 if key == "noise_scale" and batches:  # the batch per update, in the noise scale's unit (samples or tokens)
                     ax.step(*zip(*batches), where="post", color=line.get_color(), linestyle="--", linewidth=1, label=f"{run['name']}: batch")
