@@ -4,6 +4,7 @@ and for an encoder-decoder warm-started from an encoder checkpoint (the offline 
 Targets of 1 to 12 words make the target-token count differ from micro-batch to micro-batch.
 """
 
+import json
 import random
 
 import pytest
@@ -80,3 +81,14 @@ def test_launch_and_resume(tmp_path, tiny_t5_dir, pair_files):
     launch("seq2seq", s2s_args(tiny_t5_dir, pair_files, resumed, resume_from_checkpoint="latest", **common))
     assert [r["step"] for r in read_metrics(resumed)] == [4, 5, 6]
     assert max_abs_difference(final_weights(resumed), final_weights(tmp_path / "full")) == 0.0
+
+
+@pytest.mark.launch
+def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_t5_dir, pair_files):
+    """Real DDP over gloo: target tokens counted over both processes; generation gathered across them."""
+    full = run_in_process("seq2seq", s2s_args(tiny_t5_dir, pair_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1))
+    launch("seq2seq", s2s_args(tiny_t5_dir, pair_files, tmp_path / "ddp", per_device_train_batch_size=2, gradient_accumulation_steps=2), num_processes=2)
+    ddp = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
+    assert ddp["num_processes"] == 2 and ddp["distributed_type"] == "MULTI_CPU"
+    assert_same_run(tmp_path / "ddp", tmp_path / "full")
+    assert ddp["eval_rougeL"] == pytest.approx(full["eval_rougeL"], abs=1e-6) and ddp["eval_loss"] == pytest.approx(full["eval_loss"], rel=1e-5)

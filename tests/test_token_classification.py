@@ -109,3 +109,15 @@ def test_an_adaptive_schedule_runs_in_a_token_weighted_recipe(tmp_path, tiny_tag
     records = read_metrics(tmp_path)
     assert [r["effective_batch_size"] for r in records][:4] == [4, 4, 8, 8] and records[-1]["samples_seen"] == 48
     assert all("noise_scale" in r for r in records)
+
+
+@pytest.mark.launch
+def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_tagger_dir, tag_files):
+    """Real DDP over gloo: the window's labelled tokens are counted over both processes, and the
+    evaluation pads and gathers predictions of different lengths across them."""
+    full = run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1))
+    launch("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "ddp", per_device_train_batch_size=2, gradient_accumulation_steps=2), num_processes=2)
+    ddp = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
+    assert ddp["num_processes"] == 2 and ddp["distributed_type"] == "MULTI_CPU"
+    assert_same_run(tmp_path / "ddp", tmp_path / "full")
+    assert ddp["eval_f1"] == pytest.approx(full["eval_f1"], abs=1e-6) and ddp["eval_loss"] == pytest.approx(full["eval_loss"], rel=1e-5)
