@@ -92,7 +92,7 @@ def label_names(raw: datasets.DatasetDict, label_column: str) -> list[str]:
     kinds = {split: ds.features[label_column] for split, ds in raw.items()}
     if hasattr(kinds["train"], "names"):  # ClassLabel: every split shares the names; a class may still lack training rows
         names = list(kinds["train"].names)
-        _check_labels_seen_in_train(raw, label_column, to_name=lambda i: names[i], train_names=[names[i] for i in sorted(set(raw["train"][label_column]))])
+        _check_seen_in_train({split: {names[i] for i in set(ds[label_column])} for split, ds in raw.items()}, "label")
         return names
     for split, ds in raw.items():
         value_types = sorted({type(v).__name__ for v in ds[label_column]})
@@ -108,17 +108,19 @@ def label_names(raw: datasets.DatasetDict, label_column: str) -> list[str]:
             "write the labels the same way in every file (all names, or all integer ids)"
         )
     names = [str(v) for v in sorted(set(raw["train"][label_column]))]  # integer ids keep their numeric order
-    _check_labels_seen_in_train(raw, label_column, to_name=str, train_names=names)
+    _check_seen_in_train({split: {str(v) for v in set(ds[label_column])} for split, ds in raw.items()}, "label")
     return names
 
 
-def _check_labels_seen_in_train(raw: datasets.DatasetDict, label_column: str, to_name, train_names: list[str]) -> None:
-    for split, ds in raw.items():
-        unknown = sorted({to_name(v) for v in set(ds[label_column])} - set(train_names))
+def _check_seen_in_train(names_by_split: dict[str, set[str]], kind: str) -> None:
+    """A label (or tag) in another split that the train split never shows: the model never learns it."""
+    seen = names_by_split["train"]
+    for split, names in names_by_split.items():
+        unknown = sorted(names - seen)
         if unknown:
             raise ConfigError(
-                f"the {split} split has label(s) {', '.join(unknown[:5])} that the train split never shows (it has {', '.join(train_names[:10])}); "
-                "fix the labels, or move those rows into the train split"
+                f"the {split} split has {kind}(s) {', '.join(unknown[:5])} that the train split never shows (it has {', '.join(sorted(seen)[:10])}); "
+                f"fix the {kind}s, or move those rows into the train split"
             )
 
 
@@ -230,17 +232,7 @@ def tag_names(raw: datasets.DatasetDict, tokens_column: str, label_column: str) 
     inner = getattr(feature, "feature", None)
     if inner is None and isinstance(feature, list) and feature:  # datasets ≥ 3 writes plain lists as [Value]
         inner = feature[0]
-    flat = {split: {t for row in ds[label_column] for t in row} for split, ds in raw.items()}
-    if hasattr(inner, "names"):
-        names = list(inner.names)
-        seen = {names[i] for i in flat["train"]}
-        to_name = names.__getitem__
-    else:
-        names = sorted(str(t) for t in flat["train"])
-        seen, to_name = set(names), str
-    for split, tags in flat.items():
-        unknown = sorted({to_name(t) for t in tags} - seen)
-        if unknown:
-            raise ConfigError(f"the {split} split has tag(s) {', '.join(unknown[:5])} that the train split never shows "
-                              f"(it has {', '.join(sorted(seen)[:10])}); fix the tags, or move those rows into the train split")
-    return names
+    to_name = inner.names.__getitem__ if hasattr(inner, "names") else str
+    flat = {split: {to_name(t) for row in ds[label_column] for t in row} for split, ds in raw.items()}
+    _check_seen_in_train(flat, "tag")
+    return list(inner.names) if hasattr(inner, "names") else sorted(flat["train"])
