@@ -188,11 +188,16 @@ def seeded_dataloaders(tokenized: datasets.DatasetDict, collate_fn, per_device_t
     """
     from torch.utils.data import DataLoader
 
-    train = DataLoader(tokenized["train"], shuffle=True, collate_fn=collate_fn, batch_size=per_device_train_batch_size,
-                       generator=torch.Generator().manual_seed(seed))
     evaluation = DataLoader(tokenized["validation"], collate_fn=collate_fn, batch_size=per_device_eval_batch_size,
                             generator=torch.Generator().manual_seed(seed))
-    return train, evaluation
+    return seeded_train_dataloader(tokenized["train"], collate_fn, per_device_train_batch_size, seed), evaluation
+
+
+def seeded_train_dataloader(dataset, collate_fn, batch_size: int, seed: int):
+    """The shuffled training DataLoader with a generator of its own (see `seeded_dataloaders`)."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(dataset, shuffle=True, collate_fn=collate_fn, batch_size=batch_size, generator=torch.Generator().manual_seed(seed))
 
 
 def load_image_folder(train_dir: str, validation_dir: str | None = None) -> datasets.DatasetDict:

@@ -64,16 +64,14 @@ def retry_with_smaller_micro_batch(accelerator, optimizer, train_dataloader, per
     (seedable sampler), so the caller re-enters the epoch at its last completed update and every
     later update sees exactly the samples it would have. Returns (train_dataloader, micro, accumulation).
     """
-    from torch.utils.data import DataLoader
+    from ft_accum.data_sources import seeded_train_dataloader
 
     optimizer.zero_grad(set_to_none=True)
     free_memory(accelerator.device)
     micro, accumulation = shrink_micro_batch(per_device_train_batch_size, gradient_accumulation_steps)
     accelerator.gradient_accumulation_steps = accumulation
     accelerator.step = 0  # the window restarts
-    dataloader = accelerator.prepare(DataLoader(
-        train_dataloader.dataset, shuffle=True, collate_fn=train_dataloader.collate_fn, batch_size=micro,
-        generator=torch.Generator().manual_seed(seed)))
+    dataloader = accelerator.prepare(seeded_train_dataloader(train_dataloader.dataset, train_dataloader.collate_fn, micro, seed))
     accelerator.print(f"out of memory at micro-batch {per_device_train_batch_size}: now {micro} micro × {accumulation} accumulation "
                       f"× {accelerator.num_processes} process(es), the same effective batch; retrying the update")
     return dataloader, micro, accumulation
