@@ -1,10 +1,8 @@
-"""python benchmarks/bench_causal_lm.py [--updates 6] [--repeats 3] [--part all|gradients|throughput|memory]
+"""python benchmarks/bench_causal_lm.py [--updates 6] [--repeats 3] [--part all|throughput|memory]
 
-The causal-LM case, measured in one run:
+The causal-LM case, measured in one run (the gradient error of each accumulation method is in
+bench_correctness.py, a section of run_all.py):
 
-- gradients:  relative gradient error of each accumulation method against one full-batch backward
-              of the token-mean loss. Tiny GPT-2 from a config, 16 padded sequences of 12–62
-              tokens, 4 micro-batches of 4, fp32 (the setting of issue 3).
 - throughput: target tokens/s of recipes/causal_lm.py (through `accelerate launch`) against a plain
               PyTorch loop and the Transformers Trainer, on identical work: SmolLM2-135M with LoRA
               (r 8, all linear layers), packed 64-token blocks, micro 8 × accumulation 2, AdamW,
@@ -26,86 +24,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from timing import UpdateClock, plain_accumulation_loop, steady_rate, summarize, trainer_callback  # noqa: E402
 
 MICRO, ACCUMULATION, BLOCK, LR, SEED = 8, 2, 64, 1e-3, 42
-
-
-# --- gradients ------------------------------------------------------------------------------------
-
-def gradient_errors():
-    from conftest import make_documents, make_tiny_lm
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        DataCollatorForLanguageModeling,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
-
-    from ft_accum.loss_normalization import causal_lm_loss_sum
-
-    model_dir = make_tiny_lm("gpt2", Path(tempfile.mkdtemp()))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    collate = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-    rows = [tokenizer(d["text"]) for d in make_documents(16, seed=21, min_words=12, max_words=62)]
-    micro_batches = [collate(rows[i : i + 4]) for i in range(0, 16, 4)]
-
-    def grad_of(loss_fn):
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-        loss_fn(model)
-        return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-    reference = grad_of(lambda m: m(**collate(rows)).loss.backward())
-    logits_of = lambda m, b: m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # noqa: E731
-
-    def naive(m):
-        for b in micro_batches:
-            (m(**b).loss / 4).backward()
-
-    def accelerate_accumulate(m):
-        from accelerate import Accelerator
-        from accelerate.state import AcceleratorState, GradientState
-
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
-        m = accelerator.prepare(m)
-        for b in micro_batches:
-            with accelerator.accumulate(m):
-                accelerator.backward(m(**b).loss)
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-
-    def count_before_shift(m):  # Accelerate's gradient_accumulation_for_autoregressive_models.py
-        count = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
-        for b in micro_batches:
-            (causal_lm_loss_sum(logits_of(m, b), b["labels"])[0] / count).backward()
-
-    def ours(m):
-        count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
-        for b in micro_batches:
-            (causal_lm_loss_sum(logits_of(m, b), b["labels"])[0] / count).backward()
-
-    def trainer(m):
-        class Capture(TrainerCallback):
-            def on_pre_optimizer_step(self, args, state, control, **kwargs):
-                self.grad = torch.cat([p.grad.flatten().clone() for p in m.parameters()])
-
-        capture = Capture()
-        with tempfile.TemporaryDirectory() as out:
-            # One update over all 16 sequences: the gradient is a sum, so the Trainer's shuffling does not matter.
-            args = TrainingArguments(out, per_device_train_batch_size=4, gradient_accumulation_steps=4, max_steps=1, learning_rate=0.0,
-                                     max_grad_norm=0.0, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
-            Trainer(model=m, args=args, train_dataset=rows, data_collator=collate, callbacks=[capture]).train()
-        for p, g in zip(m.parameters(), torch.split(capture.grad, [p.numel() for p in m.parameters()])):
-            p.grad = g.view_as(p)
-
-    methods = {"naive loss / 4": naive, "Accelerator accumulate() + backward()": accelerate_accumulate,
-               "count before the causal shift (Accelerate's autoregressive example)": count_before_shift,
-               "Transformers Trainer, GPT2LMHeadModel": trainer, "ft-accum (count after the shift)": ours}
-    return {name: float((grad_of(fn) - reference).norm() / reference.norm()) for name, fn in methods.items()}
 
 
 # --- throughput -----------------------------------------------------------------------------------
@@ -189,7 +111,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--updates", type=int, default=6, help="optimizer updates per throughput run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant (median reported)")
-    parser.add_argument("--part", choices=["all", "gradients", "throughput", "memory"], default="all")
+    parser.add_argument("--part", choices=["all", "throughput", "memory"], default="all")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: run one variant here
     args = parser.parse_args()
     if args.variant:
@@ -199,11 +121,6 @@ def main():
     out = ROOT / "benchmarks" / "results" / "causal_lm.json"
     out.parent.mkdir(exist_ok=True)
     summary = json.loads(out.read_text()) if out.exists() else {}
-    if args.part in ("all", "gradients"):
-        summary["gradient_error"] = gradient_errors()
-        print("| method | relative gradient error |\n|---|---|")
-        for name, error in summary["gradient_error"].items():
-            print(f"| {name} | {error:.1e} |")
     if args.part in ("all", "throughput"):
         runs = {name: [] for name in VARIANTS}
         for repeat in range(args.repeats):

@@ -203,12 +203,12 @@ def render(results_dir: Path, quick: bool) -> str:
     for section in SECTIONS:
         path = results_dir / f"{section if section != 'overhead' else 'loop_overhead'}.json"
         if not path.exists():
-            parts += [f"## {TITLES[section]}", "", "Not run yet.", ""]
+            parts += [f"### {TITLES[section]}", "", "Not run yet.", ""]
             continue
         data = json.loads(path.read_text())
         run = data.get("run", {})
         machine = run.get("machine", {})
-        parts += [f"## {TITLES[section]}", "",
+        parts += [f"### {TITLES[section]}", "",
                   f"`{run.get('command', '?')}` — {run.get('date', '?')}, {run.get('seconds', 0) / 60:.1f} min; {machine.get('cpu', '?')}, "
                   f"{machine.get('cores', '?')} cores, GPU: {machine.get('gpu') or 'none'}; torch {machine.get('torch')}, "
                   f"transformers {machine.get('transformers')}, accelerate {machine.get('accelerate')}, Python {machine.get('python')}.", "",
@@ -229,13 +229,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny models, once: a smoke test of this code, not a measurement")
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--render_only", action="store_true", help="rebuild the README block from the saved JSON, run nothing")
     parser.add_argument("--output_dir", type=Path, help="where README.md and results/ go (default: benchmarks/, or a temporary folder with --quick)")
     args = parser.parse_args(argv)
     output_dir = args.output_dir or (Path(tempfile.mkdtemp(prefix="run_all_quick_")) if args.quick else ROOT / "benchmarks")
     results_dir = output_dir / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/run_all.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    for section in args.sections:
+    for section in [] if args.render_only else args.sections:
         print(f"== {section}", file=sys.stderr)
         started = time.perf_counter()
         data = SECTIONS[section](args.quick)

@@ -31,6 +31,10 @@ def check_accelerator(accelerator) -> None:
     - An engine this machine cannot run (FSDP or DeepSpeed without CUDA GPUs): `accelerate launch`
       starts the processes, but each builds a plain one-process run and trains on all the data,
       all of them writing the same --output_dir. torchrun's WORLD_SIZE gives it away.
+
+    And it says what DeepSpeed changes when it does run: it steps inside `accelerator.backward`
+    and divides each micro-batch's loss by the accumulation steps itself, so the recipes' exact
+    window scale, applied after the last backward, comes too late (benchmarks/deepspeed_cpu_probe.py).
     """
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise ConfigError(
@@ -43,6 +47,13 @@ def check_accelerator(accelerator) -> None:
             f"accelerate launch started {launched} processes, but each one runs alone ({accelerator.distributed_type.value}, "
             f"{accelerator.num_processes} process): this machine cannot run the configured engine (FSDP and DeepSpeed need CUDA GPUs); "
             "on CPU use ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N (DDP over gloo)"
+        )
+    if accelerator.distributed_type.value == "DEEPSPEED":
+        accelerator.print(
+            "warning: under DeepSpeed the accumulation is not exact. DeepSpeed steps inside accelerator.backward and weighs "
+            "every micro-batch's mean equally, so full windows of equal-sized samples are exact, but the epoch's short last "
+            "window and token-weighted losses (causal LM with padding, token classification, seq2seq) are weighted per "
+            "micro-batch, as in Accelerate's default. For exact accumulation use DDP (multi_gpu_ddp.yaml) or FSDP (fsdp.yaml)."
         )
 
 

@@ -41,3 +41,25 @@ def test_fsdp_on_a_cpu_only_machine_stops_instead_of_running_two_lone_processes(
     assert result.returncode != 0
     assert "error: accelerate launch started 2 processes, but each one runs alone (NO, 1 process)" in result.stderr + result.stdout
     assert not (tmp_path / "out" / "all_results.json").exists()
+
+
+def test_a_deepspeed_run_is_told_its_accumulation_is_not_exact(monkeypatch):
+    """A unit test with a stand-in Accelerator: DeepSpeed does not run on this CPU machine (see
+    benchmarks/deepspeed_cpu_probe.py for what it does to the gradients where it runs)."""
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate.utils import DistributedType
+
+    from ft_accum.run_outputs import check_accelerator
+
+    printed = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    accelerator = SimpleNamespace(mixed_precision="bf16", device=torch.device("cpu"), num_processes=2, distributed_type=DistributedType.DEEPSPEED,
+                                  print=printed.append)
+    check_accelerator(accelerator)
+    assert len(printed) == 1 and "not exact" in printed[0] and "DDP" in printed[0]
+    printed.clear()
+    accelerator.distributed_type = DistributedType.MULTI_GPU
+    check_accelerator(accelerator)
+    assert printed == []

@@ -1,0 +1,49 @@
+"""The benchmark suite's smoke test: `benchmarks/run_all.py --quick` end to end (tiny models, once).
+
+CI never runs the timings; this checks that every section runs, that the README block is written
+with each section's table and plot, and that the correctness section's claims hold on the way.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_run_all():
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_run_all_quick_writes_every_section(tmp_path):
+    run_all = load_run_all()
+    (tmp_path / "README.md").write_text("# Benchmarks\n\nhand-written text\n\n<!-- run_all:begin -->\nold\n<!-- run_all:end -->\n\nmore text\n")
+    run_all.main(["--quick", "--output_dir", str(tmp_path)])
+
+    readme = (tmp_path / "README.md").read_text()
+    assert "hand-written text" in readme and "more text" in readme and "\nold\n" not in readme  # only the block is replaced
+    assert "These figures are not measurements" in readme
+    for title in run_all.TITLES.values():
+        assert f"### {title}" in readme
+    assert "Not run yet" not in readme
+    for plot in ("loop_overhead.png", "memory.png"):
+        assert (tmp_path / "results" / plot).stat().st_size > 1000
+
+    correctness = json.loads((tmp_path / "results" / "correctness.json").read_text())["columns"]
+    for column, methods in correctness.items():
+        assert methods["ft-accum"]["relative_error"] < 1e-5, column
+    # Controls: the table must be able to show an error where there is one.
+    assert correctness["LM, padded, GPT-2"]["naive `loss / N`"]["relative_error"] > 1e-2
+    assert correctness["classification, fixed length, 4+4+4+2"]["naive `loss / N`"]["relative_error"] > 1e-2
+
+    overhead = json.loads((tmp_path / "results" / "loop_overhead.json").read_text())
+    assert {t["task"] for t in overhead["tables"]} == {"classification", "lm"}
+    for table in overhead["tables"]:
+        assert all(rate > 0 for rate in table["median"].values())
+    ddp = json.loads((tmp_path / "results" / "ddp.json").read_text())["recipes"]
+    assert all(t["median"]["2"] > 0 for t in ddp.values())  # bench_ddp itself asserts that 2 processes ran
+    accuracy = json.loads((tmp_path / "results" / "time_to_accuracy.json").read_text())
+    assert "skipped" in accuracy or len(accuracy["runs"]) == 5  # SST-2 lives in ../shared, absent on CI
