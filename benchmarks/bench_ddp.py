@@ -9,7 +9,7 @@ updates; its config gives the effective batch, so the accumulation halves on two
 Every run asserts the process count it got from all_results.json.
 
 The figure is the median per-update rate, warm-up left out (samples/s; target tokens/s for the
-causal LM), 1 and 2 processes interleaved. On a 2-core machine with no GPU two processes share the
+causal LM), 1 and 2 processes interleaved, alternating which runs first. On a 2-core machine with no GPU two processes share the
 same two cores, so this measures DDP's cost (the gradient all-reduce, the split data), not a speed-up.
 --quick: image_classification only, 3 updates, once.
 """
@@ -43,7 +43,7 @@ def measure(repeats: int = 3, quick: bool = False) -> dict:
         updates = 3 if quick else UPDATES[recipe]
         runs = {1: [], 2: []}
         for repeat in range(repeats):
-            for num_processes in (1, 2):
+            for num_processes in (1, 2) if repeat % 2 == 0 else (2, 1):  # alternate which goes first
                 rate = run(recipe, num_processes, updates)
                 runs[num_processes].append(rate)
                 print(f"{recipe} repeat {repeat + 1}/{repeats} {num_processes} process(es): {rate:.1f}", file=sys.stderr)

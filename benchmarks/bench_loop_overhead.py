@@ -17,8 +17,9 @@ Workloads (fp32, one CPU process, AdamW, linear schedule, clipping at 1.0, micro
   packed 64-token BBC blocks; target tokens/s.
 Every run does the same number of micro-batches (48), so accumulation 16 is 3 updates.
 
-Each run is a fresh process; the variants are interleaved within a repeat (plain, accelerate,
-trainer, recipe, plain, ...), and each run's figure is its median per-update rate, warm-up update
+Each run is a fresh process; the variants are interleaved within a repeat, each repeat starting
+with the next variant (plain, accelerate, trainer, recipe; then accelerate, trainer, recipe, plain;
+...), and each run's figure is its median per-update rate, warm-up update
 left out (benchmarks/timing.py). Reported: the median over repeats and the median of the
 per-repeat ratios to the plain loop. --quick runs tiny models in this process, once: a smoke test of
 the code, not a measurement.
@@ -33,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from timing import UpdateClock, launch_recipe, plain_accumulation_loop, steady_rate, summarize, trainer_callback  # noqa: E402
+from timing import UpdateClock, plain_accumulation_loop, run_recipe, steady_rate, summarize, trainer_callback  # noqa: E402
 
 MICRO, SEQ_LEN, SEED = 8, 64, 42
 LEARNING_RATE = {"classification": 1e-4, "lm": 1e-3}
@@ -164,16 +165,7 @@ def run_variant(name, task, model_dir, accumulation, updates, in_process=False) 
     key = "tokens_per_second" if task == "lm" else "samples_per_second"
     if name == "recipe":
         recipe, args = recipe_args(task, model_dir, accumulation, updates)
-        if in_process:
-            with tempfile.TemporaryDirectory() as out:
-                sys.path.insert(0, str(ROOT / "tests"))
-                from conftest import read_metrics, run_in_process
-
-                run_in_process(recipe, [*args, "--output_dir", out, "--report_to", "none"])
-                records = read_metrics(Path(out))
-        else:
-            records = launch_recipe(recipe, args)[1]
-        return steady_rate([r[key] for r in records])
+        return steady_rate([r[key] for r in run_recipe(recipe, args, in_process)[1]])
     if in_process:
         clock = {"plain": run_plain, "accelerate": run_accelerate, "trainer": run_trainer}[name](task, model_dir, accumulation, updates)
         return steady_rate(clock.rates(items_per_update(task, accumulation)))
@@ -193,7 +185,8 @@ def measure(tasks=("classification", "lm"), accumulations=(1, 4, 16), repeats=3,
                 updates = max(3, micro_batches // accumulation)
                 runs = {name: [] for name in VARIANTS}
                 for repeat in range(repeats):
-                    for name in VARIANTS:
+                    # Each repeat starts with the next variant, so no variant always runs first (or right after a recipe's save).
+                    for name in VARIANTS[repeat % len(VARIANTS):] + VARIANTS[:repeat % len(VARIANTS)]:
                         rate = run_variant(name, task, model_dir, accumulation, updates, in_process=quick)
                         runs[name].append({"rate": rate})
                         print(f"{task} accumulation {accumulation} repeat {repeat + 1}/{repeats} {name}: {rate:.1f} {UNIT[task]}", file=sys.stderr)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from timing import launch_recipe  # noqa: E402
+from timing import run_recipe  # noqa: E402
 
 EFFECTIVE_BATCH, BLOCK, UPDATES = 8, 128, 2
 SETTINGS = [{"micro": micro, "gradient_checkpointing": ckpt, "use_lora": lora}
@@ -56,14 +56,7 @@ def measure(repeats: int = 3, quick: bool = False) -> dict:
         for repeat in range(repeats):
             for setting in settings:
                 args = recipe_args(setting, model_dir, 64 if quick else BLOCK)  # the quick model has 64 positions
-                if quick:
-                    sys.path.insert(0, str(ROOT / "tests"))
-                    from conftest import run_in_process
-
-                    with tempfile.TemporaryDirectory() as out:
-                        result = run_in_process("causal_lm", [*args, f"--output_dir={out}", "--report_to=none"])
-                else:
-                    result = launch_recipe("causal_lm", args)[0]
+                result = run_recipe("causal_lm", args, in_process=quick)[0]
                 runs[label(setting)].append(result["peak_memory_gb"])
                 print(f"repeat {repeat + 1}/{repeats} {label(setting)}: {result['peak_memory_gb']:.2f} GiB", file=sys.stderr)
     return {"setup": {"model": "tiny GPT-2 (quick)" if quick else "SmolLM2-135M-Instruct", "effective_batch": EFFECTIVE_BATCH, "block_size": 64 if quick else BLOCK,

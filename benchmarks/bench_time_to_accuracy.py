@@ -5,7 +5,7 @@ a note when that folder is absent. The bundled all-MiniLM-L6-v2, inputs cut to 6
 2,048 training sentences for one epoch, the 872 dev sentences for accuracy. AdamW, linear decay with
 warmup over the first 1/16 of the updates, weight decay 0.01, clipping at 1.0, fp32, one CPU process.
 
-Contenders, interleaved within each seed (each seed is one repeat):
+Contenders, interleaved within each seed (each seed is one repeat, starting with the next contender):
 - ours, 8 × 4:      recipes/text_classification.py through `accelerate launch`, effective batch 32;
 - Trainer, 8 × 4:   transformers.Trainer with the same model, data, batch and hyperparameters;
 - ours, 32 × 4 = 128, with --lr_scaling none, linear and sqrt from the batch-32 learning rate:
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SST2 = ROOT.parent / "shared" / "data" / "sst2"
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from timing import launch_recipe  # noqa: E402
+from timing import run_recipe  # noqa: E402
 
 MICRO, ACCUMULATION, SEQ_LEN = 8, 4, 64
 TUNING_GRID = (5e-5, 1e-4, 2e-4)
@@ -50,14 +50,7 @@ def run_ours(model_dir, train_samples, seed, learning_rate, micro, effective, lr
             f"--weight_decay={hp['weight_decay']}", f"--max_grad_norm={hp['max_grad_norm']}", "--num_train_epochs=1",
             "--per_device_eval_batch_size=64", f"--seed={seed}"] + (["--max_eval_samples=32"] if quick else [])
     started = time.perf_counter()
-    if quick:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from conftest import run_in_process
-
-        with tempfile.TemporaryDirectory() as out:
-            results = run_in_process("text_classification", [*args, f"--output_dir={out}", "--report_to=none"])
-    else:
-        results = launch_recipe("text_classification", args)[0]
+    results = run_recipe("text_classification", args, in_process=quick)[0]
     return {"accuracy": results["eval_accuracy"], "updates": results["num_update_steps"],
             "wall_seconds": time.perf_counter() - started, "train_seconds": results["train_runtime"], "learning_rate": results.get("learning_rate")}
 
@@ -130,8 +123,10 @@ def measure(seeds=(42, 43, 44), train_samples=2048, quick=False) -> dict:
                for policy in ("none", "linear", "sqrt")},
         }
         runs = {name: [] for name in contenders}
-        for seed in seeds:
-            for name, run in contenders.items():
+        for i, seed in enumerate(seeds):
+            names = list(contenders)
+            for name in names[i % len(names):] + names[:i % len(names)]:  # each seed starts with the next contender
+                run = contenders[name]
                 result = run(seed)
                 runs[name].append({"seed": seed, **result})
                 print(f"seed {seed} {name}: accuracy {result['accuracy']:.4f}, {result['wall_seconds']:.0f} s", file=sys.stderr)

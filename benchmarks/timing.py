@@ -111,6 +111,21 @@ def launch_recipe(recipe: str, args: list[str], num_processes: int = 1) -> tuple
     return results, records
 
 
+def run_recipe(recipe: str, args: list[str], in_process: bool = False) -> tuple[dict, list[dict]]:
+    """launch_recipe, or with in_process (the --quick smoke runs) the recipe's main() in this process."""
+    if not in_process:
+        return launch_recipe(recipe, args)
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import read_metrics, run_in_process
+
+    with tempfile.TemporaryDirectory() as out:
+        return run_in_process(recipe, [*args, f"--output_dir={out}", "--report_to=none"]), read_metrics(Path(out))
+
+
 def machine_info() -> dict:
     """What the figures were measured on: CPU, cores, GPU if any, and the library versions."""
     import platform
