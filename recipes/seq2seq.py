@@ -215,7 +215,7 @@ def train(cfg):
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
     groups = [{"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)], "weight_decay": cfg.weight_decay},
               {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0}]
-    optimizer = torch.optim.SGD(groups, lr=learning_rate, momentum=0.9) if cfg.optim == "sgd" else torch.optim.AdamW(groups, lr=learning_rate)
+    optimizer = torch.optim.SGD(groups, lr=learning_rate, momentum=0.9) if cfg.optim == "sgd" else torch.optim.AdamW(groups, lr=learning_rate, fused=True)  # fused: the Trainer's default too
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(model, optimizer, train_dataloader, eval_dataloader)
 
     # Sized after prepare: the prepared dataloader holds this process's share of the batches.
