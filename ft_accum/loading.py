@@ -50,4 +50,19 @@ def warm_start_encoder_decoder(name: str, tokenizer):
     model.config.update({"decoder_start_token_id": start, "eos_token_id": end, "pad_token_id": tokenizer.pad_token_id})
     # No repeated trigrams: an undertrained warm start otherwise loops ("- 1 - 1 - 1"); the HF bert2bert recipe does the same.
     model.generation_config.update(decoder_start_token_id=start, eos_token_id=end, pad_token_id=tokenizer.pad_token_id, no_repeat_ngram_size=3)
+    return freeze_encoder_pooler(model)
+
+
+def freeze_encoder_pooler(model):
+    """Freeze a BERT-style encoder's pooler inside an encoder-decoder; return the model.
+
+    The decoder reads the encoder's token states, never its pooled [CLS] output, so the pooler
+    gets no gradient. DDP waits for a gradient from every trainable parameter and fails at the
+    second update ("Expected to have finished reduction in the prior iteration"), which is what the
+    seq2seq recipe's offline default did on 2 processes (benchmarks/bench_ddp.py). It had no
+    gradient anyway, so freezing it changes no update. T5 and BART have no pooler: a no-op.
+    """
+    pooler = getattr(getattr(model, "encoder", None), "pooler", None)
+    if pooler is not None:
+        pooler.requires_grad_(False)
     return model

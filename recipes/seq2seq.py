@@ -40,7 +40,7 @@ from ft_accum.banner import format_banner
 from ft_accum.data_sources import check_columns, check_text_column, drop_empty_rows, load_hub_dataset, load_local_files, seeded_dataloaders, take_first_rows, with_validation_split
 from ft_accum.errors import ConfigError
 from ft_accum.memory import is_out_of_memory, peak_memory_gb, retry_with_smaller_micro_batch
-from ft_accum.loading import check_context_length, load_pretrained, warm_start_encoder_decoder
+from ft_accum.loading import check_context_length, freeze_encoder_pooler, load_pretrained, warm_start_encoder_decoder
 from ft_accum.loss_normalization import check_finite_window, check_skipped_updates, scale_gradients_, window_gradient_scale
 from ft_accum.lr_scaling import POLICIES, describe_lr_scaling, scale_learning_rate
 from ft_accum.lr_schedule import build_lr_scheduler
@@ -115,7 +115,7 @@ def build_model(cfg):
     tokenizer = load_pretrained(AutoTokenizer, name, cfg.trust_remote_code)
     config = load_pretrained(AutoConfig, name, cfg.trust_remote_code)
     if config.is_encoder_decoder:
-        model = load_pretrained(AutoModelForSeq2SeqLM, name, cfg.trust_remote_code)
+        model = freeze_encoder_pooler(load_pretrained(AutoModelForSeq2SeqLM, name, cfg.trust_remote_code))  # e.g. a saved bert2bert
     else:  # an encoder-only checkpoint: warm-start both halves from it (Rothe et al. 2020)
         model = warm_start_encoder_decoder(name, tokenizer)
     check_context_length(getattr(model.config, "encoder", model.config), cfg.max_source_length, "--max_source_length")

@@ -92,3 +92,22 @@ def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_t5_dir, p
     assert ddp["num_processes"] == 2 and ddp["distributed_type"] == "MULTI_CPU"
     assert_same_run(tmp_path / "ddp", tmp_path / "full")
     assert ddp["eval_rougeL"] == pytest.approx(full["eval_rougeL"], abs=1e-6) and ddp["eval_loss"] == pytest.approx(full["eval_loss"], rel=1e-5)
+
+
+def test_every_trainable_parameter_of_a_warm_start_gets_a_gradient(tmp_path, tiny_model_dir):
+    """DDP's requirement: a trainable parameter without a gradient (the encoder's pooler, which the
+    decoder never reads) makes the second update fail on 2 processes. Checked in-process, for the
+    warm start and for the saved encoder-decoder loaded back, as the recipe loads both."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from ft_accum.loading import freeze_encoder_pooler, warm_start_encoder_decoder
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    warm = warm_start_encoder_decoder(str(tiny_model_dir), tokenizer)
+    warm.save_pretrained(tmp_path / "bert2bert")
+    for model in (warm, freeze_encoder_pooler(AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "bert2bert"))):
+        batch = tokenizer(["the match ended", "shares fell"], padding=True, return_tensors="pt")
+        labels = tokenizer(["match", "shares"], padding=True, return_tensors="pt")["input_ids"]
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss.backward()
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        assert missing == [], missing
