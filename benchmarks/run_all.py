@@ -36,11 +36,11 @@ import bench_memory  # noqa: E402
 import bench_time_to_accuracy  # noqa: E402
 from timing import machine_info  # noqa: E402
 
-OVERHEAD_ACCUMULATION = (1, 4, 16)
+OPTIONS = {"overhead_accumulation": (1, 4, 16)}
 BEGIN, END = "<!-- run_all:begin -->", "<!-- run_all:end -->"
 SECTIONS = {
     "correctness": lambda quick: bench_correctness.measure(quick),
-    "overhead": lambda quick: bench_loop_overhead.measure(accumulations=(2,) if quick else OVERHEAD_ACCUMULATION, repeats=1 if quick else 3, quick=quick,
+    "overhead": lambda quick: bench_loop_overhead.measure(accumulations=(2,) if quick else OPTIONS["overhead_accumulation"], repeats=1 if quick else 3, quick=quick,
                                                           micro_batches=6 if quick else 48),
     "memory": lambda quick: bench_memory.measure(1 if quick else 3, quick),
     "time_to_accuracy": lambda quick: bench_time_to_accuracy.measure(quick=quick),
@@ -230,12 +230,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny models, once: a smoke test of this code, not a measurement")
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
-    parser.add_argument("--overhead_accumulation", nargs="+", type=int, default=list(OVERHEAD_ACCUMULATION), help="accumulation steps of the overhead section")
+    parser.add_argument("--overhead_accumulation", nargs="+", type=int, default=list(OPTIONS["overhead_accumulation"]), help="accumulation steps of the overhead section")
     parser.add_argument("--render_only", action="store_true", help="rebuild the README block from the saved JSON, run nothing")
     parser.add_argument("--output_dir", type=Path, help="where README.md and results/ go (default: benchmarks/, or a temporary folder with --quick)")
     args = parser.parse_args(argv)
-    global OVERHEAD_ACCUMULATION
-    OVERHEAD_ACCUMULATION = tuple(args.overhead_accumulation)
+    OPTIONS["overhead_accumulation"] = tuple(args.overhead_accumulation)
     output_dir = args.output_dir or (Path(tempfile.mkdtemp(prefix="run_all_quick_")) if args.quick else ROOT / "benchmarks")
     results_dir = output_dir / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
