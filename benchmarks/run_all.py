@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -84,6 +85,8 @@ def render_overhead(data: dict, plots: Path) -> str:
         for variant in bench_loop_overhead.VARIANTS:
             cells = " | ".join(f"{t['median'][variant]:.1f} | {t['ratio_to_plain'][variant]:.3f}" for t in tables)
             out.append(f"| {VARIANT_NAMES[variant]} | {cells} |")
+        to_trainer = [statistics.median(a["rate"] / b["rate"] for a, b in zip(t["runs"]["recipe"], t["runs"]["trainer"])) for t in tables]
+        out.append("| **ft-accum recipe / Trainer** (median of per-repeat ratios) | " + " | ".join(f" | **{r:.3f}**" for r in to_trainer) + " |")
         out += ["", "Per-repeat ratios to the plain loop: " + "; ".join(
             f"accum {t['accumulation']}: " + ", ".join(f"{v} {'/'.join(f'{r:.2f}' for r in t['per_repeat_ratios'][v])}" for v in bench_loop_overhead.VARIANTS[1:])
             for t in tables), ""]
