@@ -21,7 +21,12 @@ norm of the window, compared here with ‖g*‖ of one full-batch backward of th
                         Trainer's `num_items_in_batch`; transformers PR #35808 turns off
                         DeepSpeed's own division instead): `backward(loss_sum · N · P / T)`.
 
-Prints one JSON line per process 0: the norm ratios ‖g‖ / ‖g*‖ of each method.
+Prints one JSON line from process 0: the norm ratios ‖g‖ / ‖g*‖ of each method. Measured
+2026-11-29 (DeepSpeed 0.19.8, accelerate 1.15, torch 2.13 CPU; the shipped zero2 config with
+mixed_precision "no" and gradient_clipping 0): accelerate default 1.0017, ft-accum as the recipes
+run it 31.25 (= T / (c·N·P): the window scale never reaches DeepSpeed), window-count loss 1.0000004.
+The recipes therefore refuse DeepSpeed when their loss is a mean over tokens
+(`run_outputs.check_accelerator`).
 """
 
 import json
@@ -60,6 +65,7 @@ def main():
         accelerator = Accelerator(gradient_accumulation_steps=ACCUMULATION, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
         if accelerator.num_processes != 2 or accelerator.distributed_type.value != "DEEPSPEED":
             sys.exit(f"error: expected DeepSpeed on 2 processes, got {accelerator.distributed_type.value} on {accelerator.num_processes}")
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = MICRO  # no DataLoader to read it from
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
         model, optimizer = accelerator.prepare(model, optimizer)

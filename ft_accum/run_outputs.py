@@ -24,7 +24,7 @@ def resolve_report_to(report_to: str) -> str | None:
     return None if report_to == "none" else report_to
 
 
-def check_accelerator(accelerator) -> None:
+def check_accelerator(accelerator, loss_weighted_by: str = "samples") -> None:
     """Refuse the two launches Accelerate 1.15 accepts and then silently runs as something else.
 
     - fp16 without CUDA: it trains in fp32.
@@ -32,9 +32,10 @@ def check_accelerator(accelerator) -> None:
       starts the processes, but each builds a plain one-process run and trains on all the data,
       all of them writing the same --output_dir. torchrun's WORLD_SIZE gives it away.
 
-    And it says what DeepSpeed changes when it does run: it steps inside `accelerator.backward`
-    and divides each micro-batch's loss by the accumulation steps itself, so the recipes' exact
-    window scale, applied after the last backward, comes too late (benchmarks/deepspeed_cpu_probe.py).
+    And DeepSpeed, where it runs, steps inside `accelerator.backward`, so the recipes' window scale,
+    applied after the last backward, comes too late: recipes whose loss is a mean over tokens
+    (`loss_weighted_by="tokens"`) are refused, sample-weighted ones are warned about the short
+    last window (benchmarks/deepspeed_cpu_probe.py).
     """
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise ConfigError(
@@ -49,11 +50,18 @@ def check_accelerator(accelerator) -> None:
             "on CPU use ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N (DDP over gloo)"
         )
     if accelerator.distributed_type.value == "DEEPSPEED":
+        # DeepSpeed steps inside accelerator.backward, so the window scale c·N·P/T the recipes apply after the last
+        # backward never reaches it: the update uses T/(c·N·P) times the true gradient (measured with real ZeRO-2 on
+        # 2 CPU processes: ×31.25 for a causal LM, ×1.0000004 with the count known before backward; deepspeed_cpu_probe.py).
+        if loss_weighted_by != "samples":
+            raise ConfigError(
+                f"DeepSpeed cannot run this recipe exactly: its loss is a mean over {loss_weighted_by}, and DeepSpeed steps inside "
+                "accelerator.backward, before the recipe can divide by the window's count, so every update would be about "
+                f"{loss_weighted_by}-per-sample times too large. Use DDP (accelerate_configs/multi_gpu_ddp.yaml) or FSDP (fsdp.yaml)"
+            )
         accelerator.print(
-            "warning: under DeepSpeed the accumulation is not exact. DeepSpeed steps inside accelerator.backward and weighs "
-            "every micro-batch's mean equally, so full windows of equal-sized samples are exact, but the epoch's short last "
-            "window and token-weighted losses (causal LM with padding, token classification, seq2seq) are weighted per "
-            "micro-batch, as in Accelerate's default. For exact accumulation use DDP (multi_gpu_ddp.yaml) or FSDP (fsdp.yaml)."
+            "warning: under DeepSpeed, full windows are exact but the epoch's short last window is not: DeepSpeed steps inside "
+            "accelerator.backward, before the recipe can rescale that window to its real sample count. DDP or FSDP are exact."
         )
 
 

@@ -201,7 +201,7 @@ def train(cfg):
     accelerator = Accelerator(log_with=report_to, project_dir=cfg.output_dir,
                               # A seeded sampler makes the sample order depend on the seed and epoch only, not on the split.
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
-    check_accelerator(accelerator)
+    check_accelerator(accelerator, loss_weighted_by="tokens")
     prepare_output_dir(cfg.output_dir, resume=bool(cfg.resume_from_checkpoint), overwrite=cfg.overwrite_output_dir, is_main_process=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     num_processes = accelerator.num_processes

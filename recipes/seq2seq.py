@@ -194,7 +194,7 @@ def train(cfg):
         # A seeded sampler makes the sample order depend on the seed and epoch only, not on the split.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
     )
-    check_accelerator(accelerator)
+    check_accelerator(accelerator, loss_weighted_by="tokens")
     prepare_output_dir(cfg.output_dir, resume=bool(cfg.resume_from_checkpoint), overwrite=cfg.overwrite_output_dir, is_main_process=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     # The accumulation follows from the process count, which only the Accelerator knows for sure
