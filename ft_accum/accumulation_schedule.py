@@ -199,17 +199,54 @@ def set_peak_learning_rate(optimizer, lr_scheduler, learning_rate: float) -> Non
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
-def apply_effective_batch(accelerator, optimizer, lr_scheduler, effective_batch_size: int, per_device_train_batch_size: int,
-                          learning_rate: float, completed_updates: int) -> int:
-    """Switch a running loop to a new effective batch between two updates; returns the new accumulation.
+class AccumulationScheduler:
+    """`--accumulation_schedule` in a recipe: the window plan and the LR scheduler's length up front,
+    a hook at each window's start.
 
-    Call it before the first micro-batch of a window. Accelerate syncs when its micro-batch
-    counter is a multiple of the accumulation, so the counter restarts with the new window.
+    Without a schedule it plans fixed windows and its hooks change nothing, so a recipe runs the
+    same loop either way. The one place the effective batch changes mid-run is `at_window_start`,
+    through `BatchPlan.resplit` and `apply_batch_plan`. Build it after `accelerator.prepare`: the
+    prepared dataloader holds this process's share of the batches.
     """
-    accumulation = effective_batch_size // (per_device_train_batch_size * accelerator.num_processes)
-    accelerator.gradient_accumulation_steps = accumulation
-    accelerator.step = 0
-    set_peak_learning_rate(optimizer, lr_scheduler, learning_rate)
-    accelerator.print(f"update {completed_updates}: effective batch {effective_batch_size} = {per_device_train_batch_size} micro × "
-                      f"{accumulation} accumulation × {accelerator.num_processes} process(es), peak lr {learning_rate:.3g}")
-    return accumulation
+
+    def __init__(self, args, plan, batches_per_epoch: int):
+        self.args, self.start, self.processes = args, plan.effective, plan.processes
+        self.schedule = parse_accumulation_schedule(args.accumulation_schedule)
+        check_schedule(self.schedule, plan.micro, plan.processes, plan.effective)
+        self.windows = plan_windows(batches_per_epoch, args.num_train_epochs, plan.micro, plan.processes, self.start,
+                                    self.schedule, args.max_train_steps)
+        self.num_update_steps = sum(map(len, self.windows))
+        self.num_epochs = len(self.windows)
+
+    def lr_scheduler(self, optimizer):
+        """--lr_scheduler_type over the planned updates (see lr_schedule); pass it through `accelerator.prepare`."""
+        from ft_accum.lr_schedule import build_lr_scheduler
+
+        return build_lr_scheduler(self.args.lr_scheduler_type, optimizer, self.args.num_warmup_steps,
+                                  self.num_update_steps, self.processes)
+
+    def at_window_start(self, accelerator, optimizer, lr_scheduler, plan, state, measured_noise_scale):
+        """The plan of the window about to start; a change re-applies --lr_scaling to the new effective batch."""
+        if self.schedule is None:
+            return plan
+        from ft_accum.batch_arithmetic import apply_batch_plan
+
+        target = next_effective_batch(self.schedule, self.start, state.step, state.epoch, state.effective_batch_size,
+                                      state.last_change, measured_noise_scale)
+        if target != state.effective_batch_size:
+            state.effective_batch_size, state.last_change = target, state.step
+        if target == plan.effective:  # else: a change, or the resume of a run that changed
+            return plan
+        plan = apply_batch_plan(accelerator, plan.resplit(target))
+        learning_rate = self.args.scaled_learning_rate(target)
+        set_peak_learning_rate(optimizer, lr_scheduler, learning_rate)
+        accelerator.print(f"update {state.step}: effective batch {plan.describe()}, peak lr {learning_rate:.3g}")
+        return plan
+
+    def catch_up_lr(self, lr_scheduler, window_samples: float) -> int:
+        """After an update's own `lr_scheduler.step()`: the extra steps an adaptive schedule owes
+        (`scheduler_advance`). Returns the scheduler steps this update counts for."""
+        advance = scheduler_advance(self.schedule, window_samples, self.start)
+        for _ in range(advance - 1):
+            lr_scheduler.step()
+        return advance

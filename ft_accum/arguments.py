@@ -1,5 +1,10 @@
 """Command-line and YAML arguments for recipes, through `transformers.HfArgumentParser`.
 
+Every recipe parses two dataclasses, the way `run_glue.py` parses its three: its own small
+`TaskArguments` (data, columns, lengths, model) and the `TrainingArguments` below, which holds
+everything the recipes share (batch, LR, schedule, checkpointing, the optional features) and
+checks it once, in `__post_init__`.
+
 `--config file.yaml` supplies defaults; flags on the command line override them. This order is
 what users expect from `accelerate launch recipe.py --config base.yaml --learning_rate 1e-4`, and
 it is why the YAML is applied with `set_defaults` instead of `HfArgumentParser.parse_yaml_file`
@@ -10,45 +15,168 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Optional, TypeVar
 
 import yaml
 from transformers import HfArgumentParser
 
+from ft_accum.accumulation_schedule import parse_accumulation_schedule
+from ft_accum.batch_arithmetic import BatchPlan, check_accumulation_settings
 from ft_accum.errors import ConfigError
+from ft_accum.lr_scaling import POLICIES, scale_learning_rate
 
 T = TypeVar("T")
 
 
-def parse_config(config_class: type[T], argv: list[str] | None = None, description: str | None = None) -> T:
-    """Parse `argv` (default: sys.argv[1:]) into `config_class`, with `--config YAML` as defaults."""
+@dataclass
+class TrainingArguments:
+    """What every recipe shares. Recipes change a default with `parse_args(..., learning_rate=2e-4)`."""
+
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Micro-batch per process: what fits in memory."})
+    per_device_eval_batch_size: int = field(default=32, metadata={"help": "Evaluation batch per process."})
+    gradient_accumulation_steps: Optional[int] = field(
+        default=None, metadata={"help": "Micro-batches per update. Give this or --effective_batch_size."}
+    )
+    effective_batch_size: Optional[int] = field(
+        default=None, metadata={"help": "Samples per optimizer update; the accumulation is derived from it."}
+    )
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak LR, right at --base_batch_size."})
+    base_batch_size: Optional[int] = field(
+        default=None, metadata={"help": "Batch size --learning_rate was tuned for; unset = no scaling."}
+    )
+    lr_scaling: str = field(
+        default="auto", metadata={"help": f"How the LR follows the effective batch: {', '.join(POLICIES)}."}
+    )
+    optim: str = field(default="adamw_torch", metadata={"help": "adamw_torch (fused) or sgd (momentum 0.9)."})
+    lr_scheduler_type: str = field(
+        default="linear", metadata={"help": "Any transformers scheduler name; its length is in optimizer updates."}
+    )
+    num_warmup_steps: int = field(default=0, metadata={"help": "Warmup length in optimizer updates."})
+    weight_decay: float = field(default=0.01, metadata={"help": "Decoupled weight decay (not on biases and norms)."})
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Clip the window's gradient to this norm; 0 = no clipping."}
+    )
+    num_train_epochs: int = field(default=3, metadata={"help": "Passes over the training set."})
+    max_train_steps: Optional[int] = field(
+        default=None, metadata={"help": "Stop after this many optimizer updates (overrides epochs)."}
+    )
+    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Use only the first N training rows."})
+    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Use only the first N evaluation rows."})
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute activations in backward: less memory, ~30%% slower."}
+    )
+    accumulation_schedule: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": 'Change the effective batch mid-run: "100:64,300:128" (from update 100, 300), "epoch1:64", or '
+            '"adaptive[:max=256,factor=2,patience=10]" (doubles it while the noise scale exceeds factor × the batch; '
+            "turns on --measure_noise_scale). The LR scaling is re-applied at each change."
+        },
+    )
+    measure_noise_scale: bool = field(
+        default=False,
+        metadata={
+            "help": "Log the gradient noise scale (McCandlish et al. 2018) per update and advise on the effective "
+            "batch; needs accumulation ≥ 2."
+        },
+    )
+    sync_each_batch: bool = field(
+        default=False,
+        metadata={
+            "help": "Several processes: reduce gradients after every micro-batch, not only at the window's last. "
+            "Less memory under FSDP (accelerate#2531), more communication; the update is the same."
+        },
+    )
+    auto_micro_batch: bool = field(
+        default=False,
+        metadata={
+            "help": "On out-of-memory, halve the micro-batch and double the accumulation (same effective batch and "
+            "LR) and retry the update. One process only."
+        },
+    )
+    seed: int = field(
+        default=42, metadata={"help": "Seeds the init and the sample order (which does not depend on the split)."}
+    )
+    output_dir: str = field(default="outputs/run", metadata={"help": "Where final/, checkpoints/ and metrics go."})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Replace the run already in --output_dir (refused otherwise)."}
+    )
+    checkpointing_steps: Optional[int] = field(
+        default=None, metadata={"help": "Save a checkpoint every N optimizer updates."}
+    )
+    save_total_limit: Optional[int] = field(default=None, metadata={"help": "Keep only the newest K checkpoints."})
+    resume_from_checkpoint: Optional[str] = field(
+        default=None, metadata={"help": "A checkpoint folder, or 'latest' under --output_dir."}
+    )
+    max_consecutive_skipped_updates: int = field(
+        default=20, metadata={"help": "fp16: stop after this many updates in a row skipped for overflow; 0 = never."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run Python code shipped with the model. Only for models you trust."}
+    )
+    report_to: str = field(default="auto", metadata={"help": "tensorboard, none, or auto (tensorboard when installed)."})
+
+    def __post_init__(self):
+        check_accumulation_settings(self.gradient_accumulation_steps, self.effective_batch_size)
+        require_at_least(self, 1, "per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
+                         "max_train_steps", "checkpointing_steps", "save_total_limit", "max_train_samples",
+                         "max_eval_samples")
+        if self.optim not in ("adamw_torch", "sgd"):
+            raise ConfigError(f"--optim must be adamw_torch or sgd, got {self.optim!r}")
+        if self.lr_scaling not in POLICIES:
+            raise ConfigError(f"--lr_scaling must be one of {', '.join(POLICIES)}, got {self.lr_scaling!r}")
+        schedule = parse_accumulation_schedule(self.accumulation_schedule)
+        self.measure_noise_scale |= bool(schedule and schedule.unit == "adaptive")
+
+    def batch_plan(self, num_processes: int) -> BatchPlan:
+        """micro × accumulation × processes for this run (see batch_arithmetic)."""
+        return BatchPlan.from_settings(self.per_device_train_batch_size, num_processes,
+                                       self.gradient_accumulation_steps, self.effective_batch_size)
+
+    def scaled_learning_rate(self, effective_batch_size: int) -> float:
+        """--learning_rate moved from --base_batch_size to `effective_batch_size` (see lr_scaling)."""
+        return scale_learning_rate(self.learning_rate, effective_batch_size, self.base_batch_size,
+                                   self.lr_scaling, self.optim)
+
+
+def parse_args(task_class: type[T], argv: list[str] | None = None, description: str | None = None,
+               **recipe_defaults) -> tuple[T, TrainingArguments]:
+    """Parse `argv` (default: sys.argv[1:]) into (task_class, TrainingArguments).
+
+    Precedence, lowest first: the dataclass defaults, `recipe_defaults`, `--config YAML`, the command line.
+    """
+    classes = (task_class, TrainingArguments)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
 
     # Keep the recipe docstring's line breaks (its first line is the launch command) and show defaults.
     formatter = type("HelpFormatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})
-    parser = HfArgumentParser(config_class, description=description, formatter_class=formatter)
+    parser = HfArgumentParser(classes, description=description, formatter_class=formatter)
     parser.add_argument("--config", default=None, help="YAML file of defaults; command-line flags override it")
+    parser.set_defaults(**recipe_defaults)
     if known.config:
-        parser.set_defaults(**read_yaml_config(known.config, config_class))
-    parsed, _ = parser.parse_args_into_dataclasses(args=argv)
-    return parsed
+        parser.set_defaults(**read_yaml_config(known.config, *classes))
+    task_args, training_args, _ = parser.parse_args_into_dataclasses(args=argv)
+    return task_args, training_args
 
 
-def read_yaml_config(path: str | Path, config_class: type) -> dict:
-    """The YAML mapping, after checking that every key is a field of `config_class`."""
+def read_yaml_config(path: str | Path, *config_classes: type) -> dict:
+    """The YAML mapping, after checking that every key is a field of one of `config_classes`."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path} does not exist; pass a YAML file such as recipes/configs/<recipe>.yaml")
     values = yaml.safe_load(path.read_text()) or {}
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path} must hold a mapping of setting: value, got {type(values).__name__}")
-    fields = {f.name for f in dataclasses.fields(config_class)}
+    fields = {f.name for cls in config_classes for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - fields)
     if unknown:
-        raise ConfigError(f"--config {path} has unknown setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(fields))}")
+        raise ConfigError(
+            f"--config {path} has unknown setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(fields))}"
+        )
     return values
 
 

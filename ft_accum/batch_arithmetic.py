@@ -9,6 +9,7 @@ derived from it. Giving the accumulation steps directly is also allowed, but not
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ft_accum.errors import ConfigError
 
@@ -105,3 +106,61 @@ def num_update_steps(
 def updates_per_epoch(batches_per_epoch: int, gradient_accumulation_steps: int) -> int:
     """ceil(batches_per_epoch / N): the last, incomplete window of an epoch is an update too."""
     return math.ceil(batches_per_epoch / gradient_accumulation_steps)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer update is split: `micro` samples per micro-batch, `accumulation`
+    micro-batches per update, on `processes` processes. Frozen: a change is a new plan, and
+    `apply_batch_plan` is the one place that hands it to the Accelerator.
+    """
+
+    micro: int
+    accumulation: int
+    processes: int
+
+    @property
+    def effective(self) -> int:
+        """micro × accumulation × processes: the samples in one update."""
+        return effective_batch_size(self.micro, self.accumulation, self.processes)
+
+    @classmethod
+    def from_settings(cls, per_device_train_batch_size: int, num_processes: int,
+                      gradient_accumulation_steps: int | None = None, effective_batch_size: int | None = None) -> BatchPlan:
+        """The plan for the user's settings; a non-divisible effective batch is a ConfigError with the fix."""
+        accumulation = resolve_gradient_accumulation_steps(
+            per_device_train_batch_size, num_processes, gradient_accumulation_steps, effective_batch_size)
+        return cls(per_device_train_batch_size, accumulation, num_processes)
+
+    def resplit(self, effective: int) -> BatchPlan:
+        """The same micro-batch and processes, the accumulation that makes `effective` (schedules)."""
+        return BatchPlan.from_settings(self.micro, self.processes, effective_batch_size=effective)
+
+    def shrunk(self) -> BatchPlan:
+        """The micro-batch divided by its smallest prime factor p, the accumulation × p: the same
+        effective batch in smaller pieces (the out-of-memory retry). Micro-batch 1 cannot shrink."""
+        if self.micro <= 1:
+            raise ConfigError(
+                "out of memory at micro-batch 1, so the micro-batch cannot shrink further; try --gradient_checkpointing, "
+                "a shorter --max_seq_length/--block_size, LoRA, or bf16 (ft-accum plan predicts what fits)"
+            )
+        p = next(d for d in range(2, self.micro + 1) if self.micro % d == 0)
+        return BatchPlan(self.micro // p, self.accumulation * p, self.processes)
+
+    def describe(self, unit: str = "samples") -> str:
+        """`8 micro × 4 accumulation × 1 process = 32 samples per update`."""
+        return (f"{self.micro} micro × {self.accumulation} accumulation × {self.processes} "
+                f"process{'es' if self.processes != 1 else ''} = {self.effective} {unit} per update")
+
+
+def apply_batch_plan(accelerator, plan: BatchPlan) -> BatchPlan:
+    """Make `plan` the Accelerator's accumulation; call it only between two updates.
+
+    Accelerate syncs when its micro-batch counter is a multiple of `gradient_accumulation_steps`
+    (accelerate/accelerator.py, `_do_sync`), so the counter restarts with the new window.
+    """
+    if plan.processes != accelerator.num_processes:
+        raise ValueError(f"the plan is for {plan.processes} processes, the run has {accelerator.num_processes}")
+    accelerator.gradient_accumulation_steps = plan.accumulation
+    accelerator.step = 0
+    return plan

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -116,3 +117,57 @@ def check_skipped_updates(consecutive_skipped: int, limit: int, update: int, las
             f"overflow at every loss scale; last good checkpoint: {last_checkpoint or 'none'}. Use bf16 (accelerate_configs/single_gpu_bf16.yaml), "
             "lower --learning_rate, or raise --max_consecutive_skipped_updates"
         )
+
+
+@dataclass(frozen=True)
+class WindowTotals:
+    """One window's sums over all processes, read once at its sync step."""
+
+    loss: float  # the window-mean loss: summed loss / items
+    items: float  # what the loss is a mean over: samples, or target tokens
+    samples: float
+    tokens: float
+    grad_norm: float  # before clipping
+    micro_batches: int  # this process's
+
+
+class AccumulationWindow:
+    """This process's sums over one accumulation window, and the sync step that turns the
+    accumulated gradient into the exact window mean.
+
+    Each micro-batch backpropagates its *summed* loss over a constant (`nominal_items`); `finish`
+    learns the window's true item count T from all processes at once (one all-reduce, one host
+    sync per update) and rescales by c·N·P/T (`window_gradient_scale`) before clipping.
+    """
+
+    def __init__(self, device):
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, items, samples, tokens
+        self.micro_losses: list[torch.Tensor] = []  # to name the micro-batch if the loss turns non-finite
+
+    @property
+    def is_empty(self) -> bool:
+        """True before the window's first micro-batch: where a schedule may change its size."""
+        return not self.micro_losses
+
+    def add(self, loss_sum: torch.Tensor, items, samples, tokens=0) -> None:
+        """Add one micro-batch: its summed loss and its counts (ints or 0-d tensors; no host sync)."""
+        self.sums[0] += loss_sum.detach()
+        self.sums[1] += items
+        self.sums[2] += samples
+        self.sums[3] += tokens
+        self.micro_losses.append(loss_sum.detach())
+
+    def finish(self, accelerator, model, plan, nominal_items: float, max_grad_norm: float, state) -> WindowTotals:
+        """At the sync step, before `optimizer.step()`: stop on a non-finite loss (not in fp16, whose
+        overflow the grad scaler skips), rescale to the window mean, clip. Empties the window.
+        `state` (a TrainingState) names the update and the last checkpoint in the error."""
+        loss_total, items, samples, tokens = accelerator.reduce(self.sums, reduction="sum").tolist()
+        if accelerator.mixed_precision != "fp16":
+            check_finite_window(loss_total, torch.stack(self.micro_losses).tolist(), state.step + 1,
+                                accelerator.process_index, state.last_checkpoint)
+        scale_gradients_(model.parameters(), window_gradient_scale(items, nominal_items, plan.accumulation, plan.processes))
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+        totals = WindowTotals(loss_total / items, items, samples, tokens, float(grad_norm), len(self.micro_losses))
+        self.sums.zero_()
+        self.micro_losses.clear()
+        return totals

@@ -31,20 +31,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
 
 
-def shrink_micro_batch(per_device_train_batch_size: int, gradient_accumulation_steps: int) -> tuple[int, int]:
-    """Divide the micro-batch by its smallest prime factor p (2 when even) and multiply the
-    accumulation by p: micro × accumulation, hence the effective batch and the LR, stay the same."""
-    from ft_accum.errors import ConfigError
-
-    if per_device_train_batch_size <= 1:
-        raise ConfigError(
-            "out of memory at micro-batch 1, so the micro-batch cannot shrink further; try --gradient_checkpointing, "
-            "a shorter --max_seq_length/--block_size, LoRA, or bf16 (ft-accum plan predicts what fits)"
-        )
-    p = next(d for d in range(2, per_device_train_batch_size + 1) if per_device_train_batch_size % d == 0)
-    return per_device_train_batch_size // p, gradient_accumulation_steps * p
-
-
 def free_memory(device: torch.device) -> None:
     """Return what the failed step held: drop Python references first, then the CUDA cache."""
     import gc
@@ -54,24 +40,39 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def retry_with_smaller_micro_batch(accelerator, optimizer, train_dataloader, per_device_train_batch_size: int,
-                                   gradient_accumulation_steps: int, seed: int):
-    """After an out-of-memory error inside an accumulation window: the same update, smaller micro-batches.
+class OutOfMemoryRetry:
+    """`--auto_micro_batch`: after an out-of-memory error inside an accumulation window, retry the
+    same update with smaller micro-batches.
 
-    The optimizer has not stepped in this window, so its partial gradients are dropped; the
-    micro-batch shrinks and the accumulation grows by the same factor (`shrink_micro_batch`), so
-    the effective batch and the LR do not change. The sample order does not depend on the split
-    (seedable sampler), so the caller re-enters the epoch at its last completed update and every
-    later update sees exactly the samples it would have. Returns (train_dataloader, micro, accumulation).
+    The optimizer has not stepped in this window, so its partial gradients are dropped; the plan
+    shrinks (`BatchPlan.shrunk`: the same effective batch, hence the same LR). The sample order does
+    not depend on the split (seedable sampler), so the loop re-enters the epoch at its last
+    completed update and every later update sees exactly the samples it would have. One process
+    only: with several, an OOM on one rank alone would leave the others waiting in a collective.
     """
-    from ft_accum.data_sources import seeded_train_dataloader
 
-    optimizer.zero_grad(set_to_none=True)
-    free_memory(accelerator.device)
-    micro, accumulation = shrink_micro_batch(per_device_train_batch_size, gradient_accumulation_steps)
-    accelerator.gradient_accumulation_steps = accumulation
-    accelerator.step = 0  # the window restarts
-    dataloader = accelerator.prepare(seeded_train_dataloader(train_dataloader.dataset, train_dataloader.collate_fn, micro, seed))
-    accelerator.print(f"out of memory at micro-batch {per_device_train_batch_size}: now {micro} micro × {accumulation} accumulation "
-                      f"× {accelerator.num_processes} process(es), the same effective batch; retrying the update")
-    return dataloader, micro, accumulation
+    def __init__(self, enabled: bool, seed: int):
+        self.enabled, self.seed = enabled, seed
+        self._retrying = False
+
+    def retrying_epoch(self) -> bool:
+        """True once after `recover`: the loop re-enters the same epoch at its last completed update."""
+        retrying, self._retrying = self._retrying, False
+        return retrying
+
+    def recover(self, exc: RuntimeError, accelerator, optimizer, train_dataloader, plan):
+        """Re-raise `exc` unless it is an OOM this retry handles; else (new dataloader, new plan)."""
+        if not (self.enabled and is_out_of_memory(exc)):
+            raise exc
+        from ft_accum.batch_arithmetic import apply_batch_plan
+        from ft_accum.data_sources import seeded_train_dataloader
+
+        optimizer.zero_grad(set_to_none=True)
+        free_memory(accelerator.device)
+        smaller = apply_batch_plan(accelerator, plan.shrunk())
+        dataloader = accelerator.prepare(
+            seeded_train_dataloader(train_dataloader.dataset, train_dataloader.collate_fn, smaller.micro, self.seed))
+        self._retrying = True
+        accelerator.print(f"out of memory at micro-batch {plan.micro}: now {smaller.describe()}, the same effective batch; "
+                          "retrying the update")
+        return dataloader, smaller

@@ -137,3 +137,51 @@ def advise_effective_batch(measured_noise_scale: float, effective_batch_size: in
         return (f"effective batch {effective_batch_size:,} {unit} is above the measured noise scale {size}: a smaller effective batch "
                 "(less accumulation) should reach the same loss with fewer samples")
     return f"effective batch {effective_batch_size:,} {unit} is near the measured noise scale {size}: a good size for this run"
+
+
+class NoiseScaleMeter:
+    """`--measure_noise_scale` in a recipe: two hooks and a line of advice at the end.
+
+    `after_backward` after each micro-batch's backward, `at_sync` once per update (it returns the
+    metrics.jsonl columns and keeps the EMA in the training state, so a resume carries it on).
+    `unit` is what the loss is a mean over: "samples", or "tokens" for token-weighted losses, in
+    which the noise scale is then measured. Disabled, every hook is a no-op.
+    """
+
+    def __init__(self, enabled: bool, model: torch.nn.Module, plan, unit: str = "samples"):
+        self.enabled, self.unit = enabled, unit
+        if enabled:  # hooks see each micro-batch's own gradient before it is added to .grad
+            self.micro_grad_sq, self.sums = start_noise_scale_measurement(model, plan.accumulation, plan.processes)
+
+    def after_backward(self, accelerator, items, nominal_items: float, plan) -> None:
+        """The hooks saw ∇(summed loss)/(nominal·N)·loss scale = the micro-batch's mean gradient × items/(nominal·N)·scale."""
+        if self.enabled:
+            loss_scale = accelerator.scaler.get_scale() if accelerator.scaler else 1.0
+            add_micro_batch(self.sums, self.micro_grad_sq, float(items) / (nominal_items * plan.accumulation) * loss_scale,
+                            float(items))
+
+    def at_sync(self, accelerator, totals, state) -> dict[str, float]:
+        """Small batch: one micro-batch (per process); big batch: the whole window on all processes."""
+        if not self.enabled:
+            return {}
+        big_sq = totals.grad_norm**2
+        small, g2, trace = window_noise_terms(accelerator.reduce(self.sums, reduction="sum"), big_sq, totals.items)
+        self.sums.zero_()
+        state.noise_scale_ema = update_ema(state.noise_scale_ema, g2, trace)
+        # noise_scale_batch: this update's batch in the noise scale's unit
+        return {"noise_scale": noise_scale(state.noise_scale_ema), "grad_sq_small": small, "grad_sq_big": big_sq,
+                "noise_scale_batch": totals.items}
+
+    def in_samples(self, state) -> float | None:
+        """The measured noise scale in samples (what an accumulation schedule counts), or None before the first."""
+        if not state.noise_scale_ema:
+            return None
+        measured = noise_scale(state.noise_scale_ema)
+        return measured if self.unit == "samples" else measured * state.samples_seen / state.items_seen
+
+    def advice(self, state) -> str | None:
+        """The end-of-run line of `advise_effective_batch`, at the run's mean batch in the meter's unit."""
+        if not (self.enabled and state.noise_scale_ema):
+            return None
+        batch = state.effective_batch_size if self.unit == "samples" else round(state.items_seen / state.step)
+        return advise_effective_batch(noise_scale(state.noise_scale_ema), batch, self.unit)

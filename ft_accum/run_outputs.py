@@ -139,3 +139,40 @@ def save_final(accelerator, model, tokenizer, output_dir: Path, name: str = "fin
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
     return final
+
+
+def log_update(accelerator, output_dir: Path, record: dict[str, Any], progress, scheduler_steps: int = 1) -> None:
+    """One update's record to metrics.jsonl (main process), the tracker, and the progress bar."""
+    if accelerator.is_main_process:
+        append_metrics(output_dir, record)
+    accelerator.log(record, step=record["step"])
+    progress.update(scheduler_steps)
+    progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+
+
+def log_evaluation(accelerator, epoch: int, step: int, metrics: dict[str, Any]) -> None:
+    """The epoch's evaluation: one printed line and the tracker; text values (an example output) printed apart."""
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+    accelerator.print(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in numbers.items()))
+    for key, value in metrics.items():
+        if key not in numbers:
+            accelerator.print(f"  {key}: {value!r}")
+    accelerator.log(numbers, step=step)
+
+
+def write_results(accelerator, args, state, plan, train_seconds: float, **metrics: Any) -> dict[str, Any]:
+    """all_results.json: the last evaluation plus the run's batch arithmetic, throughput and peak memory."""
+    from ft_accum.memory import peak_memory_gb
+
+    output_dir, learning_rate = args.output_dir, args.scaled_learning_rate(state.effective_batch_size)
+    results = {
+        **metrics, "train_runtime": train_seconds, "train_samples_per_second": state.samples_seen / train_seconds,
+        "train_tokens_per_second": state.tokens_seen / train_seconds, "num_update_steps": state.step,
+        "effective_batch_size": state.effective_batch_size, "per_device_train_batch_size": plan.micro,
+        "gradient_accumulation_steps": plan.accumulation, "num_processes": plan.processes,
+        "learning_rate": learning_rate, "mixed_precision": accelerator.mixed_precision,
+        "distributed_type": accelerator.distributed_type.value, "peak_memory_gb": peak_memory_gb(accelerator.device),
+    }
+    if accelerator.is_main_process:
+        (Path(output_dir) / "all_results.json").write_text(json.dumps(results, indent=2))
+    return results

@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from ft_accum.batch_arithmetic import BatchPlan
 from ft_accum.errors import ConfigError
 
 STATE_FILE = "sweep_state.json"
@@ -189,11 +190,10 @@ def _jsonable(value):
 
 def replan_for_memory(args: dict[str, Any], recipe_defaults_micro: int) -> dict[str, Any]:
     """Half the micro-batch, twice the accumulation: the effective batch (and so the LR) stay the same."""
-    from ft_accum.memory import shrink_micro_batch
-
     micro = int(args.get("per_device_train_batch_size", recipe_defaults_micro))
     accumulation = int(args.get("gradient_accumulation_steps", 1))
-    new_micro, new_accumulation = shrink_micro_batch(micro, accumulation)
+    smaller = BatchPlan(micro, accumulation, 1).shrunk()
+    new_micro, new_accumulation = smaller.micro, smaller.accumulation
     replanned = {**args, "per_device_train_batch_size": new_micro}
     if "gradient_accumulation_steps" in args or "effective_batch_size" not in args:
         replanned["gradient_accumulation_steps"] = new_accumulation
@@ -201,7 +201,7 @@ def replan_for_memory(args: dict[str, Any], recipe_defaults_micro: int) -> dict[
 
 
 def _default_micro(recipe: Path) -> int:
-    match = re.search(r"per_device_train_batch_size: int = field\(default=(\d+)", recipe.read_text())
+    match = re.search(r"per_device_train_batch_size=(\d+)", recipe.read_text())
     return int(match.group(1)) if match else 8
 
 

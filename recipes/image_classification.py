@@ -1,4 +1,5 @@
-"""accelerate launch --config_file accelerate_configs/cpu.yaml recipes/image_classification.py --config recipes/configs/image_classification.yaml
+r"""accelerate launch --config_file accelerate_configs/cpu.yaml recipes/image_classification.py \
+    --config recipes/configs/image_classification.yaml
 
 Train an image classifier with exact gradient accumulation, BatchNorm included.
 
@@ -19,156 +20,171 @@ The settings that matter:
 
 Outputs in --output_dir: final/ (save_pretrained, with an image-processor config for pipeline()),
 metrics.jsonl, all_results.json, checkpoints/step_XXXXXX/ (with --checkpointing_steps).
+SIGTERM or Ctrl-C finishes the current update, saves a checkpoint and prints the resume command.
 """
 
-import json
-import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator, DataLoaderConfiguration
+import transformers
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-import transformers
 from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig
 
-from ft_accum import batch_arithmetic, checkpointing
-from ft_accum.accumulation_schedule import apply_effective_batch, check_schedule, next_effective_batch, parse_accumulation_schedule, plan_windows, scheduler_advance
-from ft_accum.arguments import parse_config, require_at_least
-from ft_accum.banner import format_banner
-from ft_accum.data_sources import check_columns, label_names, load_hub_dataset, load_image_folder, seeded_dataloaders, take_first_rows, with_validation_split
+from ft_accum import data_sources, loading, norm, offline_assets, run_outputs, training_state
+from ft_accum.accumulation_schedule import AccumulationScheduler
+from ft_accum.arguments import parse_args
+from ft_accum.batch_arithmetic import apply_batch_plan
 from ft_accum.errors import ConfigError
-from ft_accum.memory import is_out_of_memory, peak_memory_gb, retry_with_smaller_micro_batch
-from ft_accum.loading import load_pretrained
-from ft_accum.loss_normalization import check_finite_window, check_skipped_updates, scale_gradients_, window_gradient_scale
-from ft_accum.lr_scaling import POLICIES, describe_lr_scaling, scale_learning_rate
-from ft_accum.lr_schedule import build_lr_scheduler
+from ft_accum.graceful_stop import GracefulStop
+from ft_accum.loss_normalization import AccumulationWindow
+from ft_accum.memory import OutOfMemoryRetry
 from ft_accum.metrics import load_metric
-from ft_accum.noise_scale import add_micro_batch, advise_effective_batch, noise_scale, start_noise_scale_measurement, update_ema, window_noise_terms
-from ft_accum.norm import POLICIES as BATCHNORM_POLICIES, apply_batchnorm_policy
-from ft_accum.offline_assets import load_digits_images
-from ft_accum.run_outputs import append_metrics, check_accelerator, prepare_output_dir, resolve_report_to, save_final, truncate_metrics
+from ft_accum.noise_scale import NoiseScaleMeter
+from ft_accum.run_setup import build_accelerator, build_optimizer, run_banner
 
 # transformers ≥ 5 has the PIL backend, which needs no torchvision, as a class of its own.
 ImageProcessor = getattr(transformers, "ViTImageProcessorPil", transformers.ViTImageProcessor)
 
 
 @dataclass
-class TrainConfig:
-    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Pretrained image classifier (local dir or hub name). Default: a small ResNet from a config, trained from scratch."})
-    dataset_name: Optional[str] = field(default=None, metadata={"help": "Hub image dataset (needs network). Default: scikit-learn's digits (offline)."})
+class TaskArguments:
+    model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Pretrained image classifier (local dir or hub name). "
+            "Default: a small ResNet from a config, trained from scratch."
+        },
+    )
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "Hub image dataset (needs network). Default: scikit-learn's digits (offline)."}
+    )
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
-    train_dir: Optional[str] = field(default=None, metadata={"help": "Local imagefolder: one sub-folder of images per class."})
-    validation_dir: Optional[str] = field(default=None, metadata={"help": "Local imagefolder for evaluation; default: 10%% of train."})
+    train_dir: Optional[str] = field(
+        default=None, metadata={"help": "Local imagefolder: one sub-folder of images per class."}
+    )
+    validation_dir: Optional[str] = field(
+        default=None, metadata={"help": "Local imagefolder for evaluation; default: 10%% of train."}
+    )
     image_column: str = field(default="image", metadata={"help": "Column holding the image."})
     label_column: str = field(default="label", metadata={"help": "Column holding the label (int or string)."})
-    image_size: int = field(default=32, metadata={"help": "Images are resized to image_size × image_size (a pretrained model's processor overrides it)."})
-    batchnorm: str = field(default="keep", metadata={"help": "BatchNorm under accumulation: keep (not exact; warns), groupnorm (convert: exact, for training from scratch) or freeze (running statistics: exact, for pretrained models)."})
-    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Use only the first N training rows (quick runs)."})
-    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Use only the first N evaluation rows."})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "Micro-batch per process: what fits in memory."})
-    per_device_eval_batch_size: int = field(default=32, metadata={"help": "Evaluation batch per process."})
-    gradient_accumulation_steps: Optional[int] = field(default=None, metadata={"help": "Micro-batches per update. Give this or --effective_batch_size."})
-    effective_batch_size: Optional[int] = field(default=None, metadata={"help": "Samples per optimizer update; accumulation is derived from it."})
-    learning_rate: float = field(default=5e-5, metadata={"help": "Peak LR, right at --base_batch_size."})
-    base_batch_size: Optional[int] = field(default=None, metadata={"help": "Batch size --learning_rate was tuned for; unset = no scaling."})
-    lr_scaling: str = field(default="auto", metadata={"help": f"How the LR follows the effective batch: {', '.join(POLICIES)}."})
-    optim: str = field(default="adamw_torch", metadata={"help": "adamw_torch or sgd."})
-    lr_scheduler_type: str = field(default="linear", metadata={"help": "Any transformers scheduler name; its length is in optimizer updates."})
-    num_warmup_steps: int = field(default=0, metadata={"help": "Warmup length in optimizer updates."})
-    weight_decay: float = field(default=0.01, metadata={"help": "Decoupled weight decay (not on biases and LayerNorm)."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the window's gradient to this norm; 0 = no clipping."})
-    num_train_epochs: int = field(default=3, metadata={"help": "Passes over the training set."})
-    max_train_steps: Optional[int] = field(default=None, metadata={"help": "Stop after this many optimizer updates (overrides epochs)."})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward (models that support it): less memory, ~30%% slower."})
-    accumulation_schedule: Optional[str] = field(default=None, metadata={"help": 'Change the effective batch mid-run: "100:64,300:128" (from update 100, 300), "epoch1:64", or "adaptive[:max=256,factor=2,patience=10]" (doubles it while the noise scale exceeds factor × the batch; turns on --measure_noise_scale). The LR scaling is re-applied at each change.'})
-    measure_noise_scale: bool = field(default=False, metadata={"help": "Log the gradient noise scale (McCandlish et al. 2018) per update and advise on the effective batch; needs accumulation ≥ 2."})
-    auto_micro_batch: bool = field(default=False, metadata={"help": "On out-of-memory, halve the micro-batch and double the accumulation (same effective batch and LR) and retry the update. One process: with several, an OOM on one rank alone would leave the others waiting."})
-    seed: int = field(default=42, metadata={"help": "Seeds the init and the sample order (the order does not depend on the batch split)."})
-    output_dir: str = field(default="outputs/image_classification", metadata={"help": "Where final/, checkpoints/ and metrics go."})
-    overwrite_output_dir: bool = field(default=False, metadata={"help": "Replace the run already in --output_dir (refused otherwise)."})
-    checkpointing_steps: Optional[int] = field(default=None, metadata={"help": "Save a checkpoint every N optimizer updates."})
-    save_total_limit: Optional[int] = field(default=None, metadata={"help": "Keep only the newest K checkpoints."})
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "A checkpoint folder, or 'latest' under --output_dir."})
-    max_consecutive_skipped_updates: int = field(default=20, metadata={"help": "fp16: stop after this many updates in a row skipped for overflow; 0 = never."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Run Python code shipped with the model. Only for models you trust."})
-    report_to: str = field(default="auto", metadata={"help": "tensorboard, none, or auto (tensorboard when installed)."})
+    image_size: int = field(
+        default=32,
+        metadata={
+            "help": "Images are resized to image_size × image_size (a pretrained model's processor overrides it)."
+        },
+    )
+    batchnorm: str = field(
+        default="keep",
+        metadata={
+            "help": "BatchNorm under accumulation: keep (not exact; warns), groupnorm (convert: exact, for "
+            "training from scratch) or freeze (running statistics: exact, for pretrained models)."
+        },
+    )
 
     def __post_init__(self):
-        batch_arithmetic.check_accumulation_settings(self.gradient_accumulation_steps, self.effective_batch_size)
-        require_at_least(self, 1, "per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs", "max_train_steps",
-                         "checkpointing_steps", "save_total_limit", "max_train_samples", "max_eval_samples")
-        require_at_least(self, 1, "image_size")
-        if self.batchnorm not in BATCHNORM_POLICIES:
-            raise ConfigError(f"--batchnorm must be one of {', '.join(BATCHNORM_POLICIES)}, got {self.batchnorm!r}")
-        if self.optim not in ("adamw_torch", "sgd"):
-            raise ConfigError(f"--optim must be adamw_torch or sgd, got {self.optim!r}")
-        if self.lr_scaling not in POLICIES:
-            raise ConfigError(f"--lr_scaling must be one of {', '.join(POLICIES)}, got {self.lr_scaling!r}")
-        schedule = parse_accumulation_schedule(self.accumulation_schedule)
-        self.measure_noise_scale |= bool(schedule and schedule.unit == "adaptive")
+        if self.image_size < 1:
+            raise ConfigError(f"--image_size must be ≥ 1, got {self.image_size}")
+        if self.batchnorm not in norm.POLICIES:
+            raise ConfigError(
+                f"--batchnorm must be one of {', '.join(norm.POLICIES)}, got {self.batchnorm!r}"
+            )
         if self.train_dir and self.dataset_name:
             raise ConfigError("give --train_dir or --dataset_name, not both")
 
 
-def build_model(cfg, num_labels, label_names):
-    labels = {"num_labels": num_labels, "id2label": dict(enumerate(label_names)), "label2id": {n: i for i, n in enumerate(label_names)}}
-    if cfg.model_name_or_path:
+NO_DECAY = ("bias", "normalization.weight", "LayerNorm.weight", "layernorm.weight")
+
+
+def build_model(task, args, label_names):
+    labels = {
+        "num_labels": len(label_names),
+        "id2label": dict(enumerate(label_names)),
+        "label2id": {n: i for i, n in enumerate(label_names)},
+    }
+    if task.model_name_or_path:
         # A head trained for another label set is replaced (transformers prints which weights).
-        model = load_pretrained(AutoModelForImageClassification, cfg.model_name_or_path, cfg.trust_remote_code, ignore_mismatched_sizes=True, **labels)
-        processor = load_pretrained(AutoImageProcessor, cfg.model_name_or_path, cfg.trust_remote_code)
-        size = processor.size.get("shortest_edge") or processor.size.get("height") or cfg.image_size
-        processor = ImageProcessor(size={"height": size, "width": size}, image_mean=processor.image_mean, image_std=processor.image_std)
+        model = loading.load_pretrained(
+            AutoModelForImageClassification,
+            task.model_name_or_path,
+            args.trust_remote_code,
+            ignore_mismatched_sizes=True,
+            **labels,
+        )
+        processor = loading.load_pretrained(AutoImageProcessor, task.model_name_or_path, args.trust_remote_code)
+        size = processor.size.get("shortest_edge") or processor.size.get("height") or task.image_size
+        processor = ImageProcessor(
+            size={"height": size, "width": size}, image_mean=processor.image_mean, image_std=processor.image_std
+        )
     else:  # ResNet-10-like, 0.08M parameters: BatchNorm after every convolution
-        config = ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 64], depths=[1, 1, 1], layer_type="basic", **labels)
+        config = ResNetConfig(
+            num_channels=3,
+            embedding_size=16,
+            hidden_sizes=[16, 32, 64],
+            depths=[1, 1, 1],
+            layer_type="basic",
+            **labels,
+        )
         model = AutoModelForImageClassification.from_config(config)
-        processor = ImageProcessor(size={"height": cfg.image_size, "width": cfg.image_size}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    if cfg.gradient_checkpointing:
+        processor = ImageProcessor(
+            size={"height": task.image_size, "width": task.image_size}, image_mean=[0.5] * 3, image_std=[0.5] * 3
+        )
+    if args.gradient_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise ConfigError(f"{type(model).__name__} does not support --gradient_checkpointing; drop the flag")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, processor
 
 
-def load_raw_data(cfg):
-    if cfg.train_dir:
-        raw = load_image_folder(cfg.train_dir, cfg.validation_dir)
-    elif cfg.dataset_name:
-        raw = load_hub_dataset(cfg.dataset_name, cfg.dataset_config_name)
+def load_raw_data(task, args):
+    if task.train_dir:
+        raw = data_sources.load_image_folder(task.train_dir, task.validation_dir)
+    elif task.dataset_name:
+        raw = data_sources.load_hub_dataset(task.dataset_name, task.dataset_config_name)
     else:
-        raw = load_digits_images(seed=cfg.seed)
-    raw = with_validation_split(raw, cfg.seed)
-    check_columns(raw, image_column=cfg.image_column, label_column=cfg.label_column)
-    raw = take_first_rows(raw, train=cfg.max_train_samples, validation=cfg.max_eval_samples)
-    return raw, label_names(raw, cfg.label_column)
+        raw = offline_assets.load_digits_images(seed=args.seed)
+    raw = data_sources.with_validation_split(raw, args.seed)
+    data_sources.check_columns(raw, image_column=task.image_column, label_column=task.label_column)
+    raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
+    return raw, data_sources.label_names(raw, task.label_column)
 
 
-def build_dataloaders(cfg, raw, processor, label_names):
-    is_class_label = hasattr(raw["train"].features[cfg.label_column], "names")
+def build_dataloaders(task, args, raw, processor, label_names):
+    is_class_label = hasattr(raw["train"].features[task.label_column], "names")
     label_ids = {name: i for i, name in enumerate(label_names)}
     size = (processor.size["height"], processor.size["width"])
     mean, std = torch.tensor(processor.image_mean).view(3, 1, 1), torch.tensor(processor.image_std).view(3, 1, 1)
 
     def to_tensor(image):
         # Grayscale, palette and RGBA images all become RGB: a folder may mix modes.
-        pixels = torch.frombuffer(bytearray(image.convert("RGB").tobytes()), dtype=torch.uint8).view(image.height, image.width, 3)
-        pixels = F.interpolate(pixels.permute(2, 0, 1)[None].float() / 255, size=size, mode="bilinear", align_corners=False)[0]
+        pixels = torch.frombuffer(bytearray(image.convert("RGB").tobytes()), dtype=torch.uint8).view(
+            image.height, image.width, 3
+        )
+        pixels = F.interpolate(
+            pixels.permute(2, 0, 1)[None].float() / 255, size=size, mode="bilinear", align_corners=False
+        )[0]
         return (pixels - mean) / std
 
     def transform(rows):  # on the fly, per batch: nothing is materialised on disk
-        labels = rows[cfg.label_column]
-        return {"pixel_values": [to_tensor(image) for image in rows[cfg.image_column]],
-                "labels": labels if is_class_label else [label_ids[str(v)] for v in labels]}
+        labels = rows[task.label_column]
+        return {
+            "pixel_values": [to_tensor(image) for image in rows[task.image_column]],
+            "labels": labels if is_class_label else [label_ids[str(v)] for v in labels],
+        }
 
     def collate(rows):
-        return {"pixel_values": torch.stack([r["pixel_values"] for r in rows]), "labels": torch.tensor([r["labels"] for r in rows])}
+        return {
+            "pixel_values": torch.stack([r["pixel_values"] for r in rows]),
+            "labels": torch.tensor([r["labels"] for r in rows]),
+        }
 
     data = raw.with_transform(transform)
     # Generators of their own keep the run bit-identical across a resume (see seeded_dataloaders).
-    return seeded_dataloaders(data, collate, cfg.per_device_train_batch_size, cfg.per_device_eval_batch_size, cfg.seed)
+    return data_sources.seeded_dataloaders(
+        data, collate, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed
+    )
 
 
 def evaluate_model(model, eval_dataloader, accelerator, accuracy, f1):
@@ -185,212 +201,107 @@ def evaluate_model(model, eval_dataloader, accelerator, accuracy, f1):
         accuracy.add_batch(predictions=predictions, references=labels)
         f1.add_batch(predictions=predictions, references=labels)
     model.train()
-    return {"eval_loss": loss_sum / count, "eval_accuracy": accuracy.compute()["accuracy"], "eval_macro_f1": f1.compute(average="macro")["f1"]}
+    return {
+        "eval_loss": loss_sum / count,
+        "eval_accuracy": accuracy.compute()["accuracy"],
+        "eval_macro_f1": f1.compute(average="macro")["f1"],
+    }
 
 
-def train(cfg):
-    report_to = resolve_report_to(cfg.report_to)
-    accelerator = Accelerator(
-        log_with=report_to,
-        project_dir=cfg.output_dir,
-        # A seeded sampler makes the sample order depend on the seed and epoch only, not on the split.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
-    )
-    check_accelerator(accelerator)
-    prepare_output_dir(cfg.output_dir, resume=bool(cfg.resume_from_checkpoint), overwrite=cfg.overwrite_output_dir, is_main_process=accelerator.is_main_process)
-    accelerator.wait_for_everyone()
-    # The accumulation follows from the process count, which only the Accelerator knows for sure
-    # (a bare PartialState() ignores ACCELERATE_USE_CPU and would report one process under DDP on CPU).
-    num_processes = accelerator.num_processes
-    accumulation = batch_arithmetic.resolve_gradient_accumulation_steps(
-        cfg.per_device_train_batch_size, num_processes, cfg.gradient_accumulation_steps, cfg.effective_batch_size)
-    accelerator.gradient_accumulation_steps = accumulation
-    effective = batch_arithmetic.effective_batch_size(cfg.per_device_train_batch_size, accumulation, num_processes)
-    learning_rate = scale_learning_rate(cfg.learning_rate, effective, cfg.base_batch_size, cfg.lr_scaling, cfg.optim)
-    set_seed(cfg.seed)
+def training_step(model, batch):
+    """The micro-batch's summed loss (not a mean: the sync step divides by the window's true count)
+    and its samples."""
+    labels = batch.pop("labels")
+    logits = model(**batch).logits.float()
+    return F.cross_entropy(logits, labels, reduction="sum"), len(labels)
 
-    raw, label_names = load_raw_data(cfg)
-    model, processor = build_model(cfg, len(label_names), label_names)
-    notice = apply_batchnorm_policy(model, cfg.batchnorm, accumulation, num_processes)  # before the optimizer sees the parameters
-    if notice:
+
+def train(task, args):
+    accelerator = build_accelerator(task, args, "image_classification")
+    plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    set_seed(args.seed)
+
+    raw, label_names = load_raw_data(task, args)
+    model, processor = build_model(task, args, label_names)
+    # Before the optimizer sees the parameters: --batchnorm groupnorm replaces modules.
+    if notice := norm.apply_batchnorm_policy(model, task.batchnorm, plan.accumulation, plan.processes):
         accelerator.print(notice)
-    train_dataloader, eval_dataloader = build_dataloaders(cfg, raw, processor, label_names)
+    train_dataloader, eval_dataloader = build_dataloaders(task, args, raw, processor, label_names)
+    optimizer = build_optimizer(model, args, args.scaled_learning_rate(plan.effective), NO_DECAY)
+    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader
+    )
+    schedule = AccumulationScheduler(args, plan, len(train_dataloader))
+    lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
+    rows = {"train / eval images": f"{len(raw['train'])} / {len(raw['validation'])}", "BatchNorm": task.batchnorm}
+    accelerator.print(run_banner(accelerator, args, plan, schedule.windows, extra=rows))
 
-    no_decay = ("bias", "normalization.weight", "LayerNorm.weight", "layernorm.weight")
-    groups = [{"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)], "weight_decay": cfg.weight_decay},
-              {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)], "weight_decay": 0.0}]
-    optimizer = torch.optim.SGD(groups, lr=learning_rate, momentum=0.9) if cfg.optim == "sgd" else torch.optim.AdamW(groups, lr=learning_rate, fused=True)  # fused: the Trainer's default too
-    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(model, optimizer, train_dataloader, eval_dataloader)
-
-    # Sized after prepare: the prepared dataloader holds this process's share of the batches.
-    schedule = parse_accumulation_schedule(cfg.accumulation_schedule)
-    check_schedule(schedule, cfg.per_device_train_batch_size, num_processes, effective)
-    windows = plan_windows(len(train_dataloader), cfg.num_train_epochs, cfg.per_device_train_batch_size, num_processes, effective, schedule, cfg.max_train_steps)
-    num_update_steps, num_epochs, updates_per_epoch = sum(map(len, windows)), len(windows), len(windows[0])
-    lr_scheduler = accelerator.prepare(build_lr_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps, num_update_steps, num_processes))
-
-    accelerator.print(format_banner(
-        per_device_train_batch_size=cfg.per_device_train_batch_size, gradient_accumulation_steps=accumulation,
-        num_processes=num_processes, lr_line=describe_lr_scaling(cfg.learning_rate, learning_rate, effective, cfg.base_batch_size, cfg.lr_scaling, cfg.optim),
-        mixed_precision=accelerator.mixed_precision, gradient_checkpointing=cfg.gradient_checkpointing,
-        num_update_steps=num_update_steps, num_train_epochs=num_epochs, updates_per_epoch=updates_per_epoch,
-        extra={"train / eval images": f"{len(raw['train'])} / {len(raw['validation'])}", "BatchNorm": cfg.batchnorm,
-                                                   **({"trust_remote_code": "ON: the model's own Python code ran"} if cfg.trust_remote_code else {}),
-               **({"auto micro-batch": "on: out of memory halves the micro-batch, doubles the accumulation"} if cfg.auto_micro_batch else {}),
-               **({"accumulation schedule": f"{cfg.accumulation_schedule} (LR scaling re-applied at each change)"} if schedule else {})},
-    ))
-    if report_to:
-        accelerator.init_trackers("image_classification", config={k: v for k, v in asdict(cfg).items() if isinstance(v, (int, float, str, bool))})
-
-    output_dir = Path(cfg.output_dir)
-    signature = checkpointing.run_signature(
-        accelerator.unwrap_model(model), effective_batch_size=effective, seed=cfg.seed, per_device_train_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=accumulation, num_processes=num_processes, optim=cfg.optim, accumulation_schedule=cfg.accumulation_schedule)
-    # epoch_samples: this process's samples of the epoch so far, counted in micro-batches of `micro`.
-    state = {"step": 0, "epoch": 0, "epoch_samples": 0, "scheduler_steps": 0, "effective_batch_size": effective, "last_change": 0, "samples_seen": 0,
-             "train_seconds": 0.0, "skipped_updates": 0, "consecutive_skipped": 0, "noise_scale_ema": None}
-    last_checkpoint = None
-    if cfg.resume_from_checkpoint:
-        saved = checkpointing.resume_training_state(accelerator, cfg.resume_from_checkpoint, output_dir, signature)
-        state = {k: saved.get(k, v) for k, v in state.items()}
-        last_checkpoint = checkpointing.checkpoint_name(state["step"])
-    if accelerator.is_main_process:
-        # Drop lines logged after the checkpoint we resume from: those updates run again.
-        truncate_metrics(output_dir, state["step"])
-
+    state, signature = training_state.start_or_resume(accelerator, model, args, plan)
+    noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="samples")
+    oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
+    stop = GracefulStop()
     metrics = load_metric("accuracy"), load_metric("f1")
-    progress = tqdm(total=num_update_steps, initial=state["scheduler_steps"], desc="updates", disable=not accelerator.is_local_main_process)
+    progress = tqdm(
+        total=schedule.num_update_steps, initial=state.scheduler_steps, disable=not accelerator.is_main_process
+    )
+    clock, eval_metrics = training_state.TrainClock(state.train_seconds), {}
     model.train()
-    eval_metrics, started, window_started = {}, time.perf_counter() - state["train_seconds"], time.perf_counter()
-    if cfg.measure_noise_scale:  # hooks see each micro-batch's own gradient before it is added to .grad
-        micro_grad_sq, noise_sums = start_noise_scale_measurement(model, accumulation, num_processes)
-    micro = cfg.per_device_train_batch_size  # --auto_micro_batch may shrink it (and grow the accumulation) on OOM
-    epoch = state["epoch"]
-    while epoch < num_epochs:
-        train_dataloader.set_epoch(epoch)
-        seen = state["epoch_samples"] // micro
-        batches = accelerator.skip_first_batches(train_dataloader, seen) if seen else train_dataloader
-        window = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # summed loss, samples
-        micro_losses = []  # this process's, to name the micro-batch if the loss turns non-finite
-        out_of_memory = False
-        for batch in batches:
-            if schedule and not micro_losses:  # a window starts: the schedule sets its size
-                target = next_effective_batch(schedule, effective, state["step"], epoch, state["effective_batch_size"],
-                                              state["last_change"], state["noise_scale_ema"] and noise_scale(state["noise_scale_ema"]))
-                if target != state["effective_batch_size"]:
-                    state.update(effective_batch_size=target, last_change=state["step"])
-                if target != micro * accumulation * num_processes:  # a change, or the resume of a changed run
-                    learning_rate = scale_learning_rate(cfg.learning_rate, target, cfg.base_batch_size, cfg.lr_scaling, cfg.optim)
-                    accumulation = apply_effective_batch(accelerator, optimizer, lr_scheduler, target, micro, learning_rate, state["step"])
+    while state.epoch < schedule.num_epochs:
+        window = AccumulationWindow(accelerator.device)
+        for batch in training_state.remaining_batches(accelerator, train_dataloader, state, plan):
+            if window.is_empty:  # a window starts: an accumulation schedule may change its size
+                plan = schedule.at_window_start(
+                    accelerator, optimizer, lr_scheduler, plan, state, noise.in_samples(state)
+                )
             try:
                 with accelerator.accumulate(model):
-                    labels = batch.pop("labels")
-                    logits = model(**batch).logits.float()
-                    # A sum, not a mean: the window's true sample count divides it at the sync step.
-                    loss_sum = F.cross_entropy(logits, labels, reduction="sum")
-                    window[0] += loss_sum.detach()
-                    micro_losses.append(loss_sum.detach())
-                    window[1] += len(labels)
-                    accelerator.backward(loss_sum / micro)
-                    if cfg.measure_noise_scale:  # the hooks saw ∇(sum)/(micro·N)·loss scale = its mean gradient × n/(micro·N)·scale
-                        loss_scale = accelerator.scaler.get_scale() if accelerator.scaler else 1.0
-                        add_micro_batch(noise_sums, micro_grad_sq, len(labels) / (micro * accumulation) * loss_scale, len(labels))
-                    if accelerator.sync_gradients:
-                        loss_total, samples = accelerator.reduce(window, reduction="sum").tolist()
-                        if accelerator.mixed_precision != "fp16":  # fp16 overflow is the grad scaler's to skip, and counted below
-                            check_finite_window(loss_total, torch.stack(micro_losses).tolist(), state["step"] + 1, accelerator.process_index, last_checkpoint)
-                        # Undo backward's /N and DDP's /P and divide by the real sample count: exact for the
-                        # short last window too, which Accelerate divides by N anyway (see loss_normalization).
-                        scale_gradients_(model.parameters(), window_gradient_scale(samples, micro, accumulation, num_processes))
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-                        advance = scheduler_advance(schedule, samples, effective)  # > 1 only under adaptive
+                    loss_sum, samples = training_step(model, batch)
+                    window.add(loss_sum, samples, samples)
+                    accelerator.backward(loss_sum / plan.micro)
+                    noise.after_backward(accelerator, samples, plan.micro, plan)
+                    if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the true sample count
+                        totals = window.finish(accelerator, model, plan, plan.micro, args.max_grad_norm, state)
                     optimizer.step()
-                    for _ in range(advance if accelerator.sync_gradients else 1):
-                        lr_scheduler.step()
+                    lr_scheduler.step()
                     optimizer.zero_grad()
             except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is a CPU allocator refusal
-                if not (cfg.auto_micro_batch and is_out_of_memory(exc)):
-                    raise
-                # Retry this update as more, smaller micro-batches: same effective batch, same LR.
-                batch = labels = logits = loss_sum = None
-                train_dataloader, micro, accumulation = retry_with_smaller_micro_batch(
-                    accelerator, optimizer, train_dataloader, micro, accumulation, cfg.seed)
-                signature.update(per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
-                out_of_memory = True
+                train_dataloader, plan = oom_retry.recover(exc, accelerator, optimizer, train_dataloader, plan)
                 break
 
             if accelerator.sync_gradients:
-                window.zero_()
-                loss = loss_total / samples
-                state["step"] += 1
-                state["scheduler_steps"] += advance
-                state["epoch_samples"] += micro * len(micro_losses)
+                advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
                 skipped = accelerator.optimizer_step_was_skipped
-                state["skipped_updates"] += skipped
-                state["consecutive_skipped"] = state["consecutive_skipped"] + 1 if skipped else 0
-                check_skipped_updates(state["consecutive_skipped"], cfg.max_consecutive_skipped_updates, state["step"], last_checkpoint)
-                state["samples_seen"] += int(samples)
-                noise = {}
-                if cfg.measure_noise_scale:
-                    # Small batch: one micro-batch (per process); big batch: the whole window on all processes.
-                    small, g2, trace = window_noise_terms(accelerator.reduce(noise_sums, reduction="sum"), float(grad_norm) ** 2, samples)
-                    noise_sums.zero_()
-                    state["noise_scale_ema"] = update_ema(state["noise_scale_ema"], g2, trace)
-                    noise = {"noise_scale": noise_scale(state["noise_scale_ema"]), "grad_sq_small": small, "grad_sq_big": float(grad_norm) ** 2,
-                             "noise_scale_batch": samples}  # this update's batch in the noise scale's unit
-                now = time.perf_counter()
-                micro_losses.clear()
-                record = {"step": state["step"], "epoch": epoch + state["epoch_samples"] / (micro * len(train_dataloader)), "loss": loss, "lr": lr_scheduler.get_last_lr()[0],
-                          "grad_norm": float(grad_norm), "samples_seen": state["samples_seen"],
-                          "samples_per_second": samples / (now - window_started), "skipped_updates": state["skipped_updates"],
-                          "per_device_train_batch_size": micro, "gradient_accumulation_steps": accumulation,
-                          "effective_batch_size": state["effective_batch_size"], **noise}
-                window_started = now
-                if accelerator.is_main_process:
-                    append_metrics(output_dir, record)
-                accelerator.log(record, step=state["step"])
-                progress.update(advance)
-                progress.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
-                if cfg.checkpointing_steps and state["step"] % cfg.checkpointing_steps == 0:
-                    state["train_seconds"] = now - started
-                    last_checkpoint = checkpointing.save_checkpoint(
-                        accelerator, output_dir, state["step"], {**{k: v for k, v in state.items() if k != "step"}, "signature": signature}, cfg.save_total_limit)
-                    window_started = time.perf_counter()
-                if state["scheduler_steps"] >= num_update_steps:
+                state.complete_update(totals, plan, skipped, advance, args.max_consecutive_skipped_updates)
+                lr, noise_columns = lr_scheduler.get_last_lr()[0], noise.at_sync(accelerator, totals, state)
+                record = state.record(totals, plan, lr, clock.lap(), len(train_dataloader), **noise_columns)
+                run_outputs.log_update(accelerator, args.output_dir, record, progress, advance)
+                training_state.checkpoint_if_due(accelerator, args, state, signature, clock, stop)
+                if state.scheduler_steps >= schedule.num_update_steps:
                     break
-        if out_of_memory:  # the same epoch again, from the last completed update
+        if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
             continue
 
-        eval_start = time.perf_counter()
-        eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
-        started += time.perf_counter() - eval_start  # the throughput figure covers training only
-        window_started = time.perf_counter()
-        accelerator.print(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
-        accelerator.log(eval_metrics, step=state["step"])
-        if state["scheduler_steps"] >= num_update_steps:
+        with clock.paused():
+            eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
+        run_outputs.log_evaluation(accelerator, state.epoch, state.step, eval_metrics)
+        if state.scheduler_steps >= schedule.num_update_steps:
             break
-        epoch += 1
-        state.update(epoch=epoch, epoch_samples=0)
+        state.next_epoch()
     progress.close()
-    train_seconds = time.perf_counter() - started
-    if cfg.measure_noise_scale and state["noise_scale_ema"]:
-        accelerator.print(advise_effective_batch(noise_scale(state["noise_scale_ema"]), state["effective_batch_size"], "samples"))
+    stop.restore()
+    train_seconds = clock.total()
+    if advice := noise.advice(state):
+        accelerator.print(advice)
 
-    save_final(accelerator, model, processor, output_dir)
-    results = {**eval_metrics, "train_runtime": train_seconds, "train_samples_per_second": state["samples_seen"] / train_seconds,
-               "num_update_steps": state["step"], "effective_batch_size": state["effective_batch_size"], "per_device_train_batch_size": micro,
-               "gradient_accumulation_steps": accumulation, "num_processes": num_processes, "learning_rate": learning_rate,
-               "mixed_precision": accelerator.mixed_precision, "distributed_type": accelerator.distributed_type.value, "peak_memory_gb": peak_memory_gb(accelerator.device)}
-    if accelerator.is_main_process:
-        (output_dir / "all_results.json").write_text(json.dumps(results, indent=2))
+    run_outputs.save_final(accelerator, model, processor, args.output_dir)
+    results = run_outputs.write_results(accelerator, args, state, plan, train_seconds, **eval_metrics)
     accelerator.end_training()
     return results
 
 
 def main(argv=None):
     try:
-        cfg = parse_config(TrainConfig, argv, description=__doc__)
-        return train(cfg)
+        return train(*parse_args(TaskArguments, argv, __doc__, output_dir="outputs/image_classification"))
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
 

@@ -1,5 +1,6 @@
 """Every shipped YAML parses, and every recipe's docstring launch command runs as written."""
 
+import dataclasses
 import shlex
 from pathlib import Path
 import subprocess
@@ -30,15 +31,21 @@ def test_accelerate_config_loads_with_accelerate(path):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_config_matches_its_dataclass(recipe):
+    from ft_accum.arguments import TrainingArguments
+
     module = load_recipe(recipe)
-    values = read_yaml_config(ROOT / "recipes" / "configs" / f"{recipe}.yaml", module.TrainConfig)
-    config = module.TrainConfig(**values)
+    values = read_yaml_config(ROOT / "recipes" / "configs" / f"{recipe}.yaml", module.TaskArguments, TrainingArguments)
+    task_fields = {f.name for f in dataclasses.fields(module.TaskArguments)}
+    module.TaskArguments(**{k: v for k, v in values.items() if k in task_fields})
+    config = TrainingArguments(**{k: v for k, v in values.items() if k not in task_fields})
     # learning_rate and base_batch_size travel as a pair, so scaling has a reference point.
     assert "learning_rate" in values and "base_batch_size" in values and config.base_batch_size
 
 
 def docstring_command(recipe: str) -> list[str]:
-    first_line = (ROOT / "recipes" / f"{recipe}.py").read_text().split('"""')[1].strip().splitlines()[0]
+    # The command may continue over lines with a shell backslash, as it would be pasted into a shell.
+    docstring = (ROOT / "recipes" / f"{recipe}.py").read_text().split('"""')[1].strip()
+    first_line = docstring.split("\n\n")[0].replace("\\\n", " ")
     assert first_line.startswith("accelerate launch "), first_line
     return shlex.split(first_line)
 

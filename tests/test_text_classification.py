@@ -131,7 +131,7 @@ def test_outputs_load_with_from_pretrained_and_pipeline(full_batch_run):
     assert prediction[0]["label"] in {"money", "sport", "tech"}
 
     records = read_metrics(full_batch_run)
-    assert set(records[0]) == {"step", "epoch", "loss", "lr", "grad_norm", "samples_seen", "tokens_seen", "samples_per_second", "skipped_updates", "per_device_train_batch_size", "gradient_accumulation_steps", "effective_batch_size"}
+    assert set(records[0]) == {"step", "epoch", "loss", "lr", "grad_norm", "samples_seen", "tokens_seen", "samples_per_second", "tokens_per_second", "skipped_updates", "per_device_train_batch_size", "gradient_accumulation_steps", "effective_batch_size"}
     assert [m["samples_seen"] for m in records] == [8, 16, 24, 32, 40, 48]
     results = json.loads((full_batch_run / "all_results.json").read_text())
     for key in ("eval_accuracy", "eval_macro_f1", "train_runtime", "train_samples_per_second", "effective_batch_size", "learning_rate"):

@@ -1,0 +1,157 @@
+"""The running state of a training loop: what a checkpoint saves and a resume restores.
+
+One dataclass instead of a dict of strings, so a typo is an AttributeError, not a silent new key.
+`training_state.json` in each checkpoint holds its fields (see checkpointing), next to the run
+signature of issue 8 that refuses a resume which would change the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ft_accum import checkpointing
+from ft_accum.batch_arithmetic import BatchPlan
+from ft_accum.loss_normalization import WindowTotals, check_skipped_updates
+from ft_accum.run_outputs import truncate_metrics
+
+
+@dataclass
+class TrainingState:
+    """Counters of a run, all of them per run except `epoch_samples` (this process's)."""
+
+    effective_batch_size: int  # of the current update; an accumulation schedule changes it
+    step: int = 0  # completed optimizer updates
+    epoch: int = 0
+    epoch_samples: int = 0  # this process's samples of `epoch` consumed so far (where a resume re-enters it)
+    scheduler_steps: int = 0  # LR-scheduler steps: = step, except under an adaptive schedule
+    last_change: int = 0  # the update at which the effective batch last changed
+    samples_seen: int = 0
+    items_seen: int = 0  # what the loss is a mean over: samples, or target tokens
+    tokens_seen: int = 0
+    train_seconds: float = 0.0
+    skipped_updates: int = 0  # fp16 overflow
+    consecutive_skipped: int = 0
+    noise_scale_ema: Optional[dict] = None
+    last_checkpoint: Optional[str] = None
+
+    def complete_update(self, totals: WindowTotals, plan: BatchPlan, skipped: bool, scheduler_steps: int,
+                        max_consecutive_skipped_updates: int) -> None:
+        """Count one optimizer update; stop the run when fp16 has skipped too many in a row."""
+        self.step += 1
+        self.scheduler_steps += scheduler_steps
+        self.epoch_samples += plan.micro * totals.micro_batches
+        self.samples_seen += int(totals.samples)
+        self.items_seen += int(totals.items)
+        self.tokens_seen += int(totals.tokens)
+        self.skipped_updates += skipped
+        self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
+        check_skipped_updates(self.consecutive_skipped, max_consecutive_skipped_updates, self.step, self.last_checkpoint)
+
+    def record(self, totals: WindowTotals, plan: BatchPlan, learning_rate: float, seconds: float,
+               batches_per_epoch: int, **extra: Any) -> dict[str, Any]:
+        """The metrics.jsonl line of the update just completed."""
+        return {
+            "step": self.step, "epoch": self.epoch + self.epoch_samples / (plan.micro * batches_per_epoch),
+            "loss": totals.loss, "lr": learning_rate, "grad_norm": totals.grad_norm,
+            "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
+            "samples_per_second": totals.samples / seconds, "tokens_per_second": totals.tokens / seconds,
+            "skipped_updates": self.skipped_updates, "per_device_train_batch_size": plan.micro,
+            "gradient_accumulation_steps": plan.accumulation, "effective_batch_size": self.effective_batch_size, **extra,
+        }
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.epoch_samples = 0
+
+    def to_checkpoint(self, signature: dict[str, Any]) -> dict[str, Any]:
+        """What `checkpointing.save_checkpoint` writes beside the step (which names the folder)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "step"} | {"signature": signature}
+
+    @classmethod
+    def from_checkpoint(cls, saved: dict[str, Any], checkpoint_name: str) -> TrainingState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in saved.items() if k in names} | {"last_checkpoint": checkpoint_name})
+
+
+def start_or_resume(accelerator, model, args, plan: BatchPlan) -> tuple[TrainingState, dict[str, Any]]:
+    """(state, run signature): a fresh state, or the one of `--resume_from_checkpoint` after its model,
+    optimizer, scheduler and RNG states are loaded. A checkpoint whose signature differs from this
+    run's is refused (checkpointing.check_resume_signature); metrics.jsonl loses the lines of the
+    updates that will run again."""
+    signature = checkpointing.run_signature(
+        accelerator.unwrap_model(model), effective_batch_size=plan.effective, per_device_train_batch_size=plan.micro,
+        gradient_accumulation_steps=plan.accumulation, num_processes=plan.processes, seed=args.seed, optim=args.optim,
+        accumulation_schedule=args.accumulation_schedule)
+    state = TrainingState(effective_batch_size=plan.effective)
+    if args.resume_from_checkpoint:
+        saved = checkpointing.resume_training_state(accelerator, args.resume_from_checkpoint, args.output_dir, signature)
+        state = TrainingState.from_checkpoint(saved, checkpointing.checkpoint_name(saved["step"]))
+    if accelerator.is_main_process:
+        truncate_metrics(Path(args.output_dir), state.step)
+    return state, signature
+
+
+def remaining_batches(accelerator, train_dataloader, state: TrainingState, plan: BatchPlan):
+    """This epoch's batches from where the run stands: all of them, or those after a resume point.
+
+    Checkpoints are taken at sync steps, so the epoch has consumed whole windows; the seeded
+    sampler gives the same order whatever the split (see data_sources.seeded_dataloaders).
+    """
+    train_dataloader.set_epoch(state.epoch)
+    seen = state.epoch_samples // plan.micro
+    return accelerator.skip_first_batches(train_dataloader, seen) if seen else train_dataloader
+
+
+class TrainClock:
+    """Training seconds, with evaluation and checkpoint saving left out (`paused`), and the
+    seconds of each update (`lap`) for the throughput columns of metrics.jsonl."""
+
+    def __init__(self, already: float = 0.0):
+        self._started = time.perf_counter() - already
+        self._lap = time.perf_counter()
+
+    def lap(self) -> float:
+        """Seconds since the last lap (or pause)."""
+        now = time.perf_counter()
+        seconds, self._lap = now - self._lap, now
+        return seconds
+
+    @contextlib.contextmanager
+    def paused(self):
+        before = time.perf_counter()
+        try:
+            yield
+        finally:
+            after = time.perf_counter()
+            self._started += after - before
+            self._lap = after
+
+    def total(self) -> float:
+        return time.perf_counter() - self._started
+
+
+def save_checkpoint(accelerator, output_dir: str | Path, state: TrainingState, signature: dict[str, Any],
+                    save_total_limit: int | None, train_seconds: float) -> Path:
+    """An atomic checkpoint at this sync step (see checkpointing.save_checkpoint); remembers its name
+    for the error messages that point the user to the last good one."""
+    state.train_seconds = train_seconds
+    path = checkpointing.save_checkpoint(accelerator, output_dir, state.step, state.to_checkpoint(signature),
+                                         save_total_limit)
+    state.last_checkpoint = str(path)
+    return path
+
+
+def checkpoint_if_due(accelerator, args, state: TrainingState, signature: dict[str, Any], clock: TrainClock, stop) -> None:
+    """At a sync step: a checkpoint every --checkpointing_steps updates, and one at once after SIGTERM or
+    SIGINT, which then ends the run with the resume command (see graceful_stop)."""
+    stopping = stop.requested(accelerator)
+    if stopping or (args.checkpointing_steps and state.step % args.checkpointing_steps == 0):
+        with clock.paused():
+            path = save_checkpoint(accelerator, args.output_dir, state, signature, args.save_total_limit, clock.total())
+        if stopping:
+            stop.exit(accelerator, path)
