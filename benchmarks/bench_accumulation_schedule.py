@@ -33,11 +33,25 @@ CONTENDERS = {
 
 
 def run(name: str, extra: list[str], seed: int, args, out: Path) -> dict:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"),
-               str(ROOT / "recipes" / "text_classification.py"), "--config", str(ROOT / "recipes" / "configs" / "text_classification.yaml"),
-               "--per_device_train_batch_size=8", f"--seed={seed}", f"--max_train_samples={args.max_train_samples}",
-               f"--num_train_epochs={args.num_train_epochs}", "--checkpointing_steps=1000", "--report_to=none",
-               f"--output_dir={out}", "--overwrite_output_dir", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "cpu.yaml"),
+        str(ROOT / "recipes" / "text_classification.py"),
+        "--config",
+        str(ROOT / "recipes" / "configs" / "text_classification.yaml"),
+        "--per_device_train_batch_size=8",
+        f"--seed={seed}",
+        f"--max_train_samples={args.max_train_samples}",
+        f"--num_train_epochs={args.num_train_epochs}",
+        "--checkpointing_steps=1000",
+        "--report_to=none",
+        f"--output_dir={out}",
+        "--overwrite_output_dir",
+        *extra,
+    ]
     started = time.perf_counter()
     finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if finished.returncode:
@@ -45,11 +59,19 @@ def run(name: str, extra: list[str], seed: int, args, out: Path) -> dict:
     results = json.loads((out / "all_results.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     advice = [line for line in finished.stdout.splitlines() if "noise scale" in line]
-    return {"contender": name, "seed": seed, "eval_accuracy": results["eval_accuracy"], "eval_loss": results["eval_loss"],
-            "updates": results["num_update_steps"], "samples": records[-1]["samples_seen"], "wall_seconds": time.perf_counter() - started,
-            "final_effective_batch": records[-1]["effective_batch_size"],
-            "batch_path": sorted({r["effective_batch_size"] for r in records}),
-            "last_noise_scale": records[-1].get("noise_scale"), "advice": advice[-1] if advice else None}
+    return {
+        "contender": name,
+        "seed": seed,
+        "eval_accuracy": results["eval_accuracy"],
+        "eval_loss": results["eval_loss"],
+        "updates": results["num_update_steps"],
+        "samples": records[-1]["samples_seen"],
+        "wall_seconds": time.perf_counter() - started,
+        "final_effective_batch": records[-1]["effective_batch_size"],
+        "batch_path": sorted({r["effective_batch_size"] for r in records}),
+        "last_noise_scale": records[-1].get("noise_scale"),
+        "advice": advice[-1] if advice else None,
+    }
 
 
 def main():
@@ -62,15 +84,22 @@ def main():
     rows = []
     for seed in args.seeds:
         for name, extra in CONTENDERS.items():  # interleaved: one of each per seed
-            out = ROOT / "outputs" / "bench_accumulation_schedule" / f"{name.split()[0]}-{name.split()[1].split('→')[0]}-seed{seed}"
+            out = (
+                ROOT
+                / "outputs"
+                / "bench_accumulation_schedule"
+                / f"{name.split()[0]}-{name.split()[1].split('→')[0]}-seed{seed}"
+            )
             rows.append(run(name, extra, seed, args, out))
             print(json.dumps(rows[-1]), flush=True)
     (RESULTS / "accumulation_schedule.json").write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
     print("\n| contender | seed | eval accuracy | eval loss | updates | samples | effective batches used | wall s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['contender']} | {r['seed']} | {r['eval_accuracy']:.3f} | {r['eval_loss']:.3f} | {r['updates']} | {r['samples']} | "
-              f"{', '.join(map(str, r['batch_path']))} | {r['wall_seconds']:.0f} |")
+        print(
+            f"| {r['contender']} | {r['seed']} | {r['eval_accuracy']:.3f} | {r['eval_loss']:.3f} | {r['updates']} | {r['samples']} | "
+            f"{', '.join(map(str, r['batch_path']))} | {r['wall_seconds']:.0f} |"
+        )
     from ft_accum.report import make_report
 
     seed_dirs = sorted((ROOT / "outputs" / "bench_accumulation_schedule").glob(f"*-seed{args.seeds[0]}"))

@@ -31,15 +31,33 @@ CONTENDERS = {
 
 
 def run(extra: list[str], seed: int, epochs: int, out: Path) -> dict:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"),
-               str(ROOT / "recipes" / "image_classification.py"), "--config", str(ROOT / "recipes" / "configs" / "image_classification.yaml"),
-               "--effective_batch_size=32", f"--seed={seed}", f"--num_train_epochs={epochs}", "--checkpointing_steps=100000",
-               "--report_to=none", f"--output_dir={out}", "--overwrite_output_dir", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "cpu.yaml"),
+        str(ROOT / "recipes" / "image_classification.py"),
+        "--config",
+        str(ROOT / "recipes" / "configs" / "image_classification.yaml"),
+        "--effective_batch_size=32",
+        f"--seed={seed}",
+        f"--num_train_epochs={epochs}",
+        "--checkpointing_steps=100000",
+        "--report_to=none",
+        f"--output_dir={out}",
+        "--overwrite_output_dir",
+        *extra,
+    ]
     finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if finished.returncode:
         raise SystemExit(finished.stderr[-3000:])
     results = json.loads((out / "all_results.json").read_text())
-    return {"eval_accuracy": results["eval_accuracy"], "eval_loss": results["eval_loss"], "seconds_per_epoch": results["train_runtime"] / epochs}
+    return {
+        "eval_accuracy": results["eval_accuracy"],
+        "eval_loss": results["eval_loss"],
+        "seconds_per_epoch": results["train_runtime"] / epochs,
+    }
 
 
 def main():
@@ -50,15 +68,32 @@ def main():
     runs = {name: [] for name in CONTENDERS}
     for seed in args.seeds:
         for name, extra in CONTENDERS.items():
-            runs[name].append({"seed": seed, **run(extra, seed, args.num_train_epochs, ROOT / "outputs" / "bench_batchnorm" / f"{len(runs[name])}-{seed}-{extra[-1][12:]}-{extra[0][-2:]}")})
+            runs[name].append(
+                {
+                    "seed": seed,
+                    **run(
+                        extra,
+                        seed,
+                        args.num_train_epochs,
+                        ROOT
+                        / "outputs"
+                        / "bench_batchnorm"
+                        / f"{len(runs[name])}-{seed}-{extra[-1][12:]}-{extra[0][-2:]}",
+                    ),
+                }
+            )
             print(name, json.dumps(runs[name][-1]), flush=True)
-    (ROOT / "benchmarks" / "results" / "batchnorm.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
+    (ROOT / "benchmarks" / "results" / "batchnorm.json").write_text(
+        json.dumps({"args": vars(args), "runs": runs}, indent=2)
+    )
     print("\n| contender | held-out accuracy (per seed) | median | eval loss (median) | s / epoch (median) |")
     print("|---|---|---|---|---|")
     for name, rows in runs.items():
         accuracies = [r["eval_accuracy"] for r in rows]
-        print(f"| {name} | {', '.join(f'{a:.3f}' for a in accuracies)} | {statistics.median(accuracies):.3f} | "
-              f"{statistics.median(r['eval_loss'] for r in rows):.3f} | {statistics.median(r['seconds_per_epoch'] for r in rows):.1f} |")
+        print(
+            f"| {name} | {', '.join(f'{a:.3f}' for a in accuracies)} | {statistics.median(accuracies):.3f} | "
+            f"{statistics.median(r['eval_loss'] for r in rows):.3f} | {statistics.median(r['seconds_per_epoch'] for r in rows):.1f} |"
+        )
 
 
 if __name__ == "__main__":

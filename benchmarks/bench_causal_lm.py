@@ -32,6 +32,7 @@ MICRO, ACCUMULATION, BLOCK, LR, SEED = 8, 2, 64, 1e-3, 42
 
 # --- throughput -----------------------------------------------------------------------------------
 
+
 def packed_inputs(num_blocks):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -48,7 +49,10 @@ def packed_inputs(num_blocks):
     blocks = [ids[i * BLOCK : (i + 1) * BLOCK] for i in range(num_blocks)]
     data = [{"input_ids": b, "attention_mask": [1] * BLOCK, "labels": b} for b in blocks]
     peft = import_peft()
-    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), peft.LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules="all-linear"))
+    model = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(path),
+        peft.LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules="all-linear"),
+    )
     return model, data
 
 
@@ -62,7 +66,10 @@ def run_plain(updates):
     model, data = packed_inputs(updates * MICRO * ACCUMULATION)
     loader = DataLoader(data, batch_size=MICRO, shuffle=True, collate_fn=default_data_collator)
     clock = plain_accumulation_loop(model, loader, updates, ACCUMULATION, LR)
-    return {"tokens_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION * (BLOCK - 1))), "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
+    return {
+        "tokens_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION * (BLOCK - 1))),
+        "peak_memory_gb": peak_memory_gb(torch.device("cpu")),
+    }
 
 
 def run_trainer(updates):
@@ -79,23 +86,77 @@ def run_trainer(updates):
 
     clock = UpdateClock()
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATION, max_steps=updates, learning_rate=LR,
-                                 lr_scheduler_type="linear", max_grad_norm=1.0, report_to="none", save_strategy="no", logging_strategy="no",
-                                 use_cpu=True, seed=SEED, disable_tqdm=True)
-        Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator, callbacks=[trainer_callback(clock)]).train()
-    return {"tokens_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION * (BLOCK - 1))), "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
+        args = TrainingArguments(
+            out,
+            per_device_train_batch_size=MICRO,
+            gradient_accumulation_steps=ACCUMULATION,
+            max_steps=updates,
+            learning_rate=LR,
+            lr_scheduler_type="linear",
+            max_grad_norm=1.0,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            use_cpu=True,
+            seed=SEED,
+            disable_tqdm=True,
+        )
+        Trainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            data_collator=default_data_collator,
+            callbacks=[trainer_callback(clock)],
+        ).train()
+    return {
+        "tokens_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION * (BLOCK - 1))),
+        "peak_memory_gb": peak_memory_gb(torch.device("cpu")),
+    }
 
 
 def run_recipe(updates, gradient_checkpointing=False):
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"),
-               str(ROOT / "recipes" / "causal_lm.py"), "--use_lora", "--lora_r", "8", "--lora_alpha", "16", "--packing", "--block_size", str(BLOCK),
-               "--per_device_train_batch_size", str(MICRO), "--gradient_accumulation_steps", str(ACCUMULATION), "--learning_rate", str(LR),
-               "--max_train_steps", str(updates), "--max_train_samples", "200", "--max_eval_samples", "2", "--seed", str(SEED),
-               "--gradient_checkpointing", str(gradient_checkpointing), "--output_dir", out, "--report_to", "none"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / "cpu.yaml"),
+            str(ROOT / "recipes" / "causal_lm.py"),
+            "--use_lora",
+            "--lora_r",
+            "8",
+            "--lora_alpha",
+            "16",
+            "--packing",
+            "--block_size",
+            str(BLOCK),
+            "--per_device_train_batch_size",
+            str(MICRO),
+            "--gradient_accumulation_steps",
+            str(ACCUMULATION),
+            "--learning_rate",
+            str(LR),
+            "--max_train_steps",
+            str(updates),
+            "--max_train_samples",
+            "200",
+            "--max_eval_samples",
+            "2",
+            "--seed",
+            str(SEED),
+            "--gradient_checkpointing",
+            str(gradient_checkpointing),
+            "--output_dir",
+            out,
+            "--report_to",
+            "none",
+        ]
         subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
         results = json.loads((Path(out) / "all_results.json").read_text())
-        rates = [json.loads(line)["tokens_per_second"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        rates = [
+            json.loads(line)["tokens_per_second"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()
+        ]
     return {"tokens_per_second": steady_rate(rates), "peak_memory_gb": results["peak_memory_gb"]}
 
 
@@ -103,7 +164,12 @@ VARIANTS = {"plain": run_plain, "trainer": run_trainer, "recipe": run_recipe}
 
 
 def in_subprocess(name, updates):
-    proc = subprocess.run([sys.executable, __file__, "--variant", name, "--updates", str(updates)], check=True, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--variant", name, "--updates", str(updates)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -127,18 +193,38 @@ def main():
             for name in VARIANTS:
                 result = run_recipe(args.updates) if name == "recipe" else in_subprocess(name, args.updates)
                 runs[name].append(result)
-                print(f"repeat {repeat + 1}/{args.repeats} {name}: {result['tokens_per_second']:.1f} tokens/s", file=sys.stderr)
+                print(
+                    f"repeat {repeat + 1}/{args.repeats} {name}: {result['tokens_per_second']:.1f} tokens/s",
+                    file=sys.stderr,
+                )
         stats = summarize(runs, "tokens_per_second")
-        summary["throughput"] = {"setup": {"model": "SmolLM2-135M + LoRA r8 all-linear", "micro_batch": MICRO, "gradient_accumulation_steps": ACCUMULATION,
-                                           "block_size": BLOCK, "updates": args.updates, "repeats": args.repeats, "precision": "fp32", "device": "cpu"},
-                                 "runs": runs, "median_tokens_per_second": stats["median"], "ratio_to_plain": stats["ratio_to_plain"],
-                                 "per_repeat_ratios": stats["per_repeat_ratios"]}
-        print("| variant | median tokens/s | ratio to plain loop (median of repeats) | per-repeat ratios |\n|---|---|---|---|")
+        summary["throughput"] = {
+            "setup": {
+                "model": "SmolLM2-135M + LoRA r8 all-linear",
+                "micro_batch": MICRO,
+                "gradient_accumulation_steps": ACCUMULATION,
+                "block_size": BLOCK,
+                "updates": args.updates,
+                "repeats": args.repeats,
+                "precision": "fp32",
+                "device": "cpu",
+            },
+            "runs": runs,
+            "median_tokens_per_second": stats["median"],
+            "ratio_to_plain": stats["ratio_to_plain"],
+            "per_repeat_ratios": stats["per_repeat_ratios"],
+        }
+        print(
+            "| variant | median tokens/s | ratio to plain loop (median of repeats) | per-repeat ratios |\n|---|---|---|---|"
+        )
         for name in VARIANTS:
             ratios = ", ".join(f"{r:.3f}" for r in stats["per_repeat_ratios"][name])
             print(f"| {name} | {stats['median'][name]:.1f} | {stats['ratio_to_plain'][name]:.3f} | {ratios} |")
     if args.part in ("all", "memory"):
-        summary["peak_memory_gb"] = {f"gradient_checkpointing={flag}": run_recipe(args.updates, flag)["peak_memory_gb"] for flag in (False, True)}
+        summary["peak_memory_gb"] = {
+            f"gradient_checkpointing={flag}": run_recipe(args.updates, flag)["peak_memory_gb"]
+            for flag in (False, True)
+        }
         print("| gradient checkpointing | peak RSS (GiB) |\n|---|---|")
         for name, value in summary["peak_memory_gb"].items():
             print(f"| {name.split('=')[1]} | {value:.2f} |")

@@ -60,8 +60,19 @@ def trainer_gradient(model, rows, collate):
     with tempfile.TemporaryDirectory() as out:
         # One update over all rows: the gradient is a sum over micro-batches, so the Trainer's shuffle only
         # changes which rows share a micro-batch, which matters exactly when a method weights micro-batches wrongly.
-        args = TrainingArguments(out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATION, max_steps=1, learning_rate=0.0,
-                                 max_grad_norm=0.0, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
+        args = TrainingArguments(
+            out,
+            per_device_train_batch_size=MICRO,
+            gradient_accumulation_steps=ACCUMULATION,
+            max_steps=1,
+            learning_rate=0.0,
+            max_grad_norm=0.0,
+            report_to="none",
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=0,
+        )
         Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[capture]).train()
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -71,6 +82,7 @@ def trainer_gradient(model, rows, collate):
 
 def errors_of(model_loader, reference_fn, methods) -> dict[str, dict[str, float]]:
     """Per method: the relative error, and ‖g‖ / ‖g*‖ (N = 4 means the loss was never divided by N)."""
+
     def grad_of(fn):
         model = model_loader()
         fn(model)
@@ -78,8 +90,13 @@ def errors_of(model_loader, reference_fn, methods) -> dict[str, dict[str, float]
 
     reference = grad_of(reference_fn)
     grads = {name: grad_of(fn) for name, fn in methods.items()}
-    return {name: {"relative_error": float((g - reference).norm() / reference.norm()), "norm_ratio": float(g.norm() / reference.norm())}
-            for name, g in grads.items()}
+    return {
+        name: {
+            "relative_error": float((g - reference).norm() / reference.norm()),
+            "norm_ratio": float(g.norm() / reference.norm()),
+        }
+        for name, g in grads.items()
+    }
 
 
 def lm_errors(arch: str) -> dict[str, dict[str, float]]:
@@ -93,7 +110,7 @@ def lm_errors(arch: str) -> dict[str, dict[str, float]]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     collate = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     rows = [tokenizer(d["text"]) for d in make_documents(16, seed=21, min_words=12, max_words=62)]
-    micro_batches = [collate(rows[i:i + MICRO]) for i in range(0, len(rows), MICRO)]
+    micro_batches = [collate(rows[i : i + MICRO]) for i in range(0, len(rows), MICRO)]
 
     def logits_of(model, batch):
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -102,7 +119,9 @@ def lm_errors(arch: str) -> dict[str, dict[str, float]]:
         for batch in micro_batches:
             (model(**batch).loss / len(micro_batches)).backward()
 
-    def count_before_shift(model):  # Accelerate's examples/by_feature/gradient_accumulation_for_autoregressive_models.py
+    def count_before_shift(
+        model,
+    ):  # Accelerate's examples/by_feature/gradient_accumulation_for_autoregressive_models.py
         count = sum(int((b["labels"] != -100).sum()) for b in micro_batches)
         for batch in micro_batches:
             (causal_lm_loss_sum(logits_of(model, batch), batch["labels"])[0] / count).backward()
@@ -117,10 +136,16 @@ def lm_errors(arch: str) -> dict[str, dict[str, float]]:
             targets += int(count)
         scale_gradients_(model.parameters(), window_gradient_scale(targets, MICRO, len(micro_batches), 1))
 
-    methods = {"naive `loss / N`": naive, "Accelerate `accumulate()` + `backward()`": lambda m: accelerate_accumulate(m, micro_batches),
-               "Accelerate autoregressive example (count before the shift)": count_before_shift,
-               "Transformers Trainer": lambda m: trainer_gradient(m, rows, collate), "ft-accum": ours}
-    return errors_of(lambda: AutoModelForCausalLM.from_pretrained(model_dir), lambda m: m(**collate(rows)).loss.backward(), methods)
+    methods = {
+        "naive `loss / N`": naive,
+        "Accelerate `accumulate()` + `backward()`": lambda m: accelerate_accumulate(m, micro_batches),
+        "Accelerate autoregressive example (count before the shift)": count_before_shift,
+        "Transformers Trainer": lambda m: trainer_gradient(m, rows, collate),
+        "ft-accum": ours,
+    }
+    return errors_of(
+        lambda: AutoModelForCausalLM.from_pretrained(model_dir), lambda m: m(**collate(rows)).loss.backward(), methods
+    )
 
 
 def classification_errors(num_samples: int) -> dict[str, dict[str, float]]:
@@ -132,35 +157,69 @@ def classification_errors(num_samples: int) -> dict[str, dict[str, float]]:
     generator = torch.Generator().manual_seed(5)
     ids = torch.randint(5, 100, (num_samples, 16), generator=generator)
     labels = torch.randint(0, 4, (num_samples,), generator=generator)
-    rows = [{"input_ids": i, "attention_mask": torch.ones(16, dtype=torch.long), "labels": y} for i, y in zip(ids, labels)]
-    micro_batches = [default_data_collator(rows[i:i + MICRO]) for i in range(0, num_samples, MICRO)]
+    rows = [
+        {"input_ids": i, "attention_mask": torch.ones(16, dtype=torch.long), "labels": y} for i, y in zip(ids, labels)
+    ]
+    micro_batches = [default_data_collator(rows[i : i + MICRO]) for i in range(0, num_samples, MICRO)]
     path = Path(tempfile.mkdtemp())
     torch.manual_seed(0)
-    BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                             max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                             num_labels=4)).save_pretrained(path)
+    BertForSequenceClassification(
+        BertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=4,
+        )
+    ).save_pretrained(path)
 
     def naive(model):
         for batch in micro_batches:
             (model(**batch).loss / len(micro_batches)).backward()
 
-    def ours(model):  # recipes/text_classification.py: summed loss / micro (and / N, as accelerator.backward does), then the exact window scale
+    def ours(
+        model,
+    ):  # recipes/text_classification.py: summed loss / micro (and / N, as accelerator.backward does), then the exact window scale
         for batch in micro_batches:
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            (torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum") / (MICRO * ACCUMULATION)).backward()
+            (
+                torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum") / (MICRO * ACCUMULATION)
+            ).backward()
         scale_gradients_(model.parameters(), window_gradient_scale(num_samples, MICRO, ACCUMULATION, 1))
 
-    methods = {"naive `loss / N`": naive, "Accelerate `accumulate()` + `backward()`": lambda m: accelerate_accumulate(m, micro_batches),
-               "Transformers Trainer": lambda m: trainer_gradient(m, rows, default_data_collator), "ft-accum": ours}
-    return errors_of(lambda: BertForSequenceClassification.from_pretrained(path), lambda m: m(**default_data_collator(rows)).loss.backward(), methods)
+    methods = {
+        "naive `loss / N`": naive,
+        "Accelerate `accumulate()` + `backward()`": lambda m: accelerate_accumulate(m, micro_batches),
+        "Transformers Trainer": lambda m: trainer_gradient(m, rows, default_data_collator),
+        "ft-accum": ours,
+    }
+    return errors_of(
+        lambda: BertForSequenceClassification.from_pretrained(path),
+        lambda m: m(**default_data_collator(rows)).loss.backward(),
+        methods,
+    )
 
 
 def measure(quick: bool = False) -> dict:
     """All columns of the correctness table (quick changes nothing: the models are already tiny)."""
-    return {"setup": {"precision": "fp32", "micro_batch": MICRO, "gradient_accumulation_steps": ACCUMULATION, "dropout": 0.0},
-            "columns": {"LM, padded, GPT-2": lm_errors("gpt2"), "LM, padded, Llama": lm_errors("llama"),
-                        "classification, fixed length, 4 × 4": classification_errors(16),
-                        "classification, fixed length, 4+4+4+2": classification_errors(14)}}
+    return {
+        "setup": {
+            "precision": "fp32",
+            "micro_batch": MICRO,
+            "gradient_accumulation_steps": ACCUMULATION,
+            "dropout": 0.0,
+        },
+        "columns": {
+            "LM, padded, GPT-2": lm_errors("gpt2"),
+            "LM, padded, Llama": lm_errors("llama"),
+            "classification, fixed length, 4 × 4": classification_errors(16),
+            "classification, fixed length, 4+4+4+2": classification_errors(14),
+        },
+    }
 
 
 def main():

@@ -24,12 +24,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from timing import launch_recipe, steady_rate  # noqa: E402
 
-UPDATES = {"text_classification": 6, "token_classification": 6, "seq2seq": 8, "image_classification": 20, "causal_lm": 6}
+UPDATES = {
+    "text_classification": 6,
+    "token_classification": 6,
+    "seq2seq": 8,
+    "image_classification": 20,
+    "causal_lm": 6,
+}
 
 
 def run(recipe: str, num_processes: int, updates: int) -> float:
-    args = ["--config", str(ROOT / "recipes" / "configs" / f"{recipe}.yaml"), f"--max_train_steps={updates}", "--num_train_epochs=1",
-            "--max_eval_samples=8", f"--checkpointing_steps={updates + 1}"]
+    args = [
+        "--config",
+        str(ROOT / "recipes" / "configs" / f"{recipe}.yaml"),
+        f"--max_train_steps={updates}",
+        "--num_train_epochs=1",
+        "--max_eval_samples=8",
+        f"--checkpointing_steps={updates + 1}",
+    ]
     results, records = launch_recipe(recipe, args, num_processes)
     if results["num_processes"] != num_processes:
         raise RuntimeError(f"{recipe}: asked for {num_processes} processes, the run had {results['num_processes']}")
@@ -46,11 +58,22 @@ def measure(repeats: int = 3, quick: bool = False) -> dict:
             for num_processes in (1, 2) if repeat % 2 == 0 else (2, 1):  # alternate which goes first
                 rate = run(recipe, num_processes, updates)
                 runs[num_processes].append(rate)
-                print(f"{recipe} repeat {repeat + 1}/{repeats} {num_processes} process(es): {rate:.1f}", file=sys.stderr)
+                print(
+                    f"{recipe} repeat {repeat + 1}/{repeats} {num_processes} process(es): {rate:.1f}", file=sys.stderr
+                )
         ratios = [two / one for one, two in zip(runs[1], runs[2])]
-        tables[recipe] = {"unit": "tokens/s" if recipe == "causal_lm" else "samples/s", "updates": updates, "runs": {str(k): v for k, v in runs.items()},
-                          "median": {str(k): statistics.median(v) for k, v in runs.items()}, "per_repeat_ratios": ratios, "ratio": statistics.median(ratios)}
-    return {"setup": {"repeats": repeats, "quick": quick, "device": "cpu", "precision": "fp32", "backend": "gloo"}, "recipes": tables}
+        tables[recipe] = {
+            "unit": "tokens/s" if recipe == "causal_lm" else "samples/s",
+            "updates": updates,
+            "runs": {str(k): v for k, v in runs.items()},
+            "median": {str(k): statistics.median(v) for k, v in runs.items()},
+            "per_repeat_ratios": ratios,
+            "ratio": statistics.median(ratios),
+        }
+    return {
+        "setup": {"repeats": repeats, "quick": quick, "device": "cpu", "precision": "fp32", "backend": "gloo"},
+        "recipes": tables,
+    }
 
 
 def main():

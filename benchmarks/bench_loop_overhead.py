@@ -52,14 +52,28 @@ def build_model_dir(task: str, quick: bool, path: Path) -> Path:
         if not quick:
             return bundled_minilm_dir()
         tokenizer = AutoTokenizer.from_pretrained(bundled_minilm_dir())
-        config = AutoConfig.from_pretrained(bundled_minilm_dir(), num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                                            intermediate_size=64, num_labels=5)
+        config = AutoConfig.from_pretrained(
+            bundled_minilm_dir(),
+            num_hidden_layers=1,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            num_labels=5,
+        )
         model = AutoModelForSequenceClassification.from_config(config)
     else:
         tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_dir())
         width, layers = (32, 1) if quick else (256, 4)
-        config = GPT2Config(vocab_size=len(tokenizer), n_embd=width, n_layer=layers, n_head=4, n_positions=SEQ_LEN,
-                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            n_embd=width,
+            n_layer=layers,
+            n_head=4,
+            n_positions=SEQ_LEN,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         model = GPT2LMHeadModel(config)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -72,21 +86,40 @@ def items_per_update(task: str, accumulation: int) -> int:
 
 def load_inputs(task: str, model_dir: Path, num_rows: int):
     """Model, collator and rows, the same for plain, accelerate and trainer."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, default_data_collator
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        default_data_collator,
+    )
 
     from ft_accum.offline_assets import load_bbc_news
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = load_bbc_news(seed=SEED)["train"]
     if task == "classification":
-        rows = texts.select(range(num_rows)).map(lambda r: tokenizer(r["text"], truncation=True, max_length=SEQ_LEN), batched=True, remove_columns=["text"])
-        return AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=5), DataCollatorWithPadding(tokenizer), rows.rename_column("label", "labels")
+        rows = texts.select(range(num_rows)).map(
+            lambda r: tokenizer(r["text"], truncation=True, max_length=SEQ_LEN), batched=True, remove_columns=["text"]
+        )
+        return (
+            AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=5),
+            DataCollatorWithPadding(tokenizer),
+            rows.rename_column("label", "labels"),
+        )
     ids = []
     for text in texts["text"]:
         ids += tokenizer(text + tokenizer.eos_token)["input_ids"]
         if len(ids) >= num_rows * SEQ_LEN:
             break
-    rows = [{"input_ids": ids[i * SEQ_LEN:(i + 1) * SEQ_LEN], "attention_mask": [1] * SEQ_LEN, "labels": ids[i * SEQ_LEN:(i + 1) * SEQ_LEN]} for i in range(num_rows)]
+    rows = [
+        {
+            "input_ids": ids[i * SEQ_LEN : (i + 1) * SEQ_LEN],
+            "attention_mask": [1] * SEQ_LEN,
+            "labels": ids[i * SEQ_LEN : (i + 1) * SEQ_LEN],
+        }
+        for i in range(num_rows)
+    ]
     return AutoModelForCausalLM.from_pretrained(model_dir), default_data_collator, rows
 
 
@@ -140,24 +173,75 @@ def run_trainer(task, model_dir, accumulation, updates):
     model, collate, rows = load_inputs(task, model_dir, updates * MICRO * accumulation)
     clock = UpdateClock()
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=accumulation, max_steps=updates,
-                                 learning_rate=LEARNING_RATE[task], lr_scheduler_type="linear", max_grad_norm=1.0, weight_decay=0.0,
-                                 report_to="none", save_strategy="no", logging_strategy="no", use_cpu=True, seed=SEED, disable_tqdm=True)
-        Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[trainer_callback(clock)]).train()
+        args = TrainingArguments(
+            out,
+            per_device_train_batch_size=MICRO,
+            gradient_accumulation_steps=accumulation,
+            max_steps=updates,
+            learning_rate=LEARNING_RATE[task],
+            lr_scheduler_type="linear",
+            max_grad_norm=1.0,
+            weight_decay=0.0,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            use_cpu=True,
+            seed=SEED,
+            disable_tqdm=True,
+        )
+        Trainer(
+            model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[trainer_callback(clock)]
+        ).train()
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     return clock
 
 
 def recipe_args(task, model_dir, accumulation, updates):
-    common = ["--model_name_or_path", str(model_dir), "--per_device_train_batch_size", str(MICRO), "--gradient_accumulation_steps", str(accumulation),
-              "--learning_rate", str(LEARNING_RATE[task]), "--lr_scaling", "none", "--num_warmup_steps", "0", "--weight_decay", "0",
-              "--max_train_steps", str(updates), "--num_train_epochs", "1", "--seed", str(SEED)]
+    common = [
+        "--model_name_or_path",
+        str(model_dir),
+        "--per_device_train_batch_size",
+        str(MICRO),
+        "--gradient_accumulation_steps",
+        str(accumulation),
+        "--learning_rate",
+        str(LEARNING_RATE[task]),
+        "--lr_scaling",
+        "none",
+        "--num_warmup_steps",
+        "0",
+        "--weight_decay",
+        "0",
+        "--max_train_steps",
+        str(updates),
+        "--num_train_epochs",
+        "1",
+        "--seed",
+        str(SEED),
+    ]
     if task == "classification":
-        return "text_classification", [*common, "--max_seq_length", str(SEQ_LEN), "--max_train_samples", str(updates * MICRO * accumulation), "--max_eval_samples", "8"]
+        return "text_classification", [
+            *common,
+            "--max_seq_length",
+            str(SEQ_LEN),
+            "--max_train_samples",
+            str(updates * MICRO * accumulation),
+            "--max_eval_samples",
+            "8",
+        ]
     # BBC articles give ~8 blocks of 64 tokens each; a margin of documents so the run never runs short.
     documents = max(24, updates * MICRO * accumulation // 4)
-    return "causal_lm", [*common, "--packing", "--block_size", str(SEQ_LEN), "--max_train_samples", str(documents), "--max_eval_samples", "2"]
+    return "causal_lm", [
+        *common,
+        "--packing",
+        "--block_size",
+        str(SEQ_LEN),
+        "--max_train_samples",
+        str(documents),
+        "--max_eval_samples",
+        "2",
+    ]
 
 
 def run_variant(name, task, model_dir, accumulation, updates, in_process=False) -> float:
@@ -167,17 +251,49 @@ def run_variant(name, task, model_dir, accumulation, updates, in_process=False) 
         recipe, args = recipe_args(task, model_dir, accumulation, updates)
         return steady_rate([r[key] for r in run_recipe(recipe, args, in_process)[1]])
     if in_process:
-        clock = {"plain": run_plain, "accelerate": run_accelerate, "trainer": run_trainer}[name](task, model_dir, accumulation, updates)
+        clock = {"plain": run_plain, "accelerate": run_accelerate, "trainer": run_trainer}[name](
+            task, model_dir, accumulation, updates
+        )
         return steady_rate(clock.rates(items_per_update(task, accumulation)))
-    proc = subprocess.run([sys.executable, __file__, "--variant", name, "--task", task, "--accumulation", str(accumulation), "--updates", str(updates),
-                           "--model_dir", str(model_dir)], check=True, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--variant",
+            name,
+            "--task",
+            task,
+            "--accumulation",
+            str(accumulation),
+            "--updates",
+            str(updates),
+            "--model_dir",
+            str(model_dir),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])["rate"]
 
 
-def measure(tasks=("classification", "lm"), accumulations=(1, 4, 16), repeats=3, quick=False, micro_batches=48) -> dict:
+def measure(
+    tasks=("classification", "lm"), accumulations=(1, 4, 16), repeats=3, quick=False, micro_batches=48
+) -> dict:
     """All tasks × accumulations × variants, interleaved; the JSON that run_all.py turns into a table."""
-    results = {"setup": {"micro_batch": MICRO, "seq_len": SEQ_LEN, "micro_batches_per_run": micro_batches, "repeats": repeats, "quick": quick,
-                         "precision": "fp32", "device": "cpu", "processes": 1}, "tables": []}
+    results = {
+        "setup": {
+            "micro_batch": MICRO,
+            "seq_len": SEQ_LEN,
+            "micro_batches_per_run": micro_batches,
+            "repeats": repeats,
+            "quick": quick,
+            "precision": "fp32",
+            "device": "cpu",
+            "processes": 1,
+        },
+        "tables": [],
+    }
     with tempfile.TemporaryDirectory() as models:
         for task in tasks:
             model_dir = build_model_dir(task, quick, Path(models) / task)
@@ -186,14 +302,26 @@ def measure(tasks=("classification", "lm"), accumulations=(1, 4, 16), repeats=3,
                 runs = {name: [] for name in VARIANTS}
                 for repeat in range(repeats):
                     # Each repeat starts with the next variant, so no variant always runs first (or right after a recipe's save).
-                    for name in VARIANTS[repeat % len(VARIANTS):] + VARIANTS[:repeat % len(VARIANTS)]:
+                    for name in VARIANTS[repeat % len(VARIANTS) :] + VARIANTS[: repeat % len(VARIANTS)]:
                         rate = run_variant(name, task, model_dir, accumulation, updates, in_process=quick)
                         runs[name].append({"rate": rate})
-                        print(f"{task} accumulation {accumulation} repeat {repeat + 1}/{repeats} {name}: {rate:.1f} {UNIT[task]}", file=sys.stderr)
+                        print(
+                            f"{task} accumulation {accumulation} repeat {repeat + 1}/{repeats} {name}: {rate:.1f} {UNIT[task]}",
+                            file=sys.stderr,
+                        )
                 stats = summarize(runs, "rate")
-                results["tables"].append({"task": task, "unit": UNIT[task], "accumulation": accumulation, "updates": updates, "runs": runs,
-                                          "median": stats["median"], "ratio_to_plain": stats["ratio_to_plain"],
-                                          "per_repeat_ratios": stats["per_repeat_ratios"]})
+                results["tables"].append(
+                    {
+                        "task": task,
+                        "unit": UNIT[task],
+                        "accumulation": accumulation,
+                        "updates": updates,
+                        "runs": runs,
+                        "median": stats["median"],
+                        "ratio_to_plain": stats["ratio_to_plain"],
+                        "per_repeat_ratios": stats["per_repeat_ratios"],
+                    }
+                )
     return results
 
 
@@ -202,17 +330,27 @@ def main():
     parser.add_argument("--task", nargs="+", choices=["classification", "lm"], default=["classification", "lm"])
     parser.add_argument("--accumulation", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="tiny models, one repeat, in this process: a smoke test, not a measurement")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny models, one repeat, in this process: a smoke test, not a measurement",
+    )
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "loop_overhead.json")
-    parser.add_argument("--variant", choices=VARIANTS[:3], help=argparse.SUPPRESS)  # internal: one run in this fresh process
+    parser.add_argument(
+        "--variant", choices=VARIANTS[:3], help=argparse.SUPPRESS
+    )  # internal: one run in this fresh process
     parser.add_argument("--updates", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model_dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
-        clock = {"plain": run_plain, "accelerate": run_accelerate, "trainer": run_trainer}[args.variant](args.task[0], args.model_dir, args.accumulation[0], args.updates)
+        clock = {"plain": run_plain, "accelerate": run_accelerate, "trainer": run_trainer}[args.variant](
+            args.task[0], args.model_dir, args.accumulation[0], args.updates
+        )
         print(json.dumps({"rate": steady_rate(clock.rates(items_per_update(args.task[0], args.accumulation[0])))}))
         return
-    results = measure(args.task, args.accumulation, 1 if args.quick else args.repeats, args.quick, 6 if args.quick else 48)
+    results = measure(
+        args.task, args.accumulation, 1 if args.quick else args.repeats, args.quick, 6 if args.quick else 48
+    )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
 

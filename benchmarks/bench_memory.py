@@ -25,8 +25,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from timing import run_recipe  # noqa: E402
 
 EFFECTIVE_BATCH, BLOCK, UPDATES = 8, 128, 2
-SETTINGS = [{"micro": micro, "gradient_checkpointing": ckpt, "use_lora": lora}
-            for lora in (False, True) for ckpt in (False, True) for micro in (8, 2)]
+SETTINGS = [
+    {"micro": micro, "gradient_checkpointing": ckpt, "use_lora": lora}
+    for lora in (False, True)
+    for ckpt in (False, True)
+    for micro in (8, 2)
+]
 
 
 def label(setting: dict) -> str:
@@ -38,10 +42,20 @@ def label(setting: dict) -> str:
 
 def recipe_args(setting: dict, model_dir: Path | None, block: int) -> list[str]:
     return ([f"--model_name_or_path={model_dir}"] if model_dir else []) + [
-        "--packing", f"--block_size={block}", f"--per_device_train_batch_size={setting['micro']}",
-        f"--gradient_accumulation_steps={EFFECTIVE_BATCH // setting['micro']}", f"--max_train_steps={UPDATES}", "--max_train_samples=40",
-        "--max_eval_samples=2", "--per_device_eval_batch_size=2", f"--gradient_checkpointing={setting['gradient_checkpointing']}",
-        f"--use_lora={setting['use_lora']}", "--lora_r=8", "--lora_alpha=16", "--seed=42"]
+        "--packing",
+        f"--block_size={block}",
+        f"--per_device_train_batch_size={setting['micro']}",
+        f"--gradient_accumulation_steps={EFFECTIVE_BATCH // setting['micro']}",
+        f"--max_train_steps={UPDATES}",
+        "--max_train_samples=40",
+        "--max_eval_samples=2",
+        "--per_device_eval_batch_size=2",
+        f"--gradient_checkpointing={setting['gradient_checkpointing']}",
+        f"--use_lora={setting['use_lora']}",
+        "--lora_r=8",
+        "--lora_alpha=16",
+        "--seed=42",
+    ]
 
 
 def measure(repeats: int = 3, quick: bool = False) -> dict:
@@ -58,12 +72,26 @@ def measure(repeats: int = 3, quick: bool = False) -> dict:
                 args = recipe_args(setting, model_dir, 64 if quick else BLOCK)  # the quick model has 64 positions
                 result = run_recipe("causal_lm", args, in_process=quick)[0]
                 runs[label(setting)].append(result["peak_memory_gb"])
-                print(f"repeat {repeat + 1}/{repeats} {label(setting)}: {result['peak_memory_gb']:.2f} GiB", file=sys.stderr)
-    return {"setup": {"model": "tiny GPT-2 (quick)" if quick else "SmolLM2-135M-Instruct", "effective_batch": EFFECTIVE_BATCH, "block_size": 64 if quick else BLOCK,
-                      "updates": UPDATES, "repeats": repeats, "precision": "fp32", "device": "cpu", "measure": "peak RSS (ru_maxrss), fresh process",
-                      "quick": quick},
-            "settings": [{**s, "label": label(s)} for s in settings],
-            "runs": runs, "median_gb": {name: statistics.median(values) for name, values in runs.items()}}
+                print(
+                    f"repeat {repeat + 1}/{repeats} {label(setting)}: {result['peak_memory_gb']:.2f} GiB",
+                    file=sys.stderr,
+                )
+    return {
+        "setup": {
+            "model": "tiny GPT-2 (quick)" if quick else "SmolLM2-135M-Instruct",
+            "effective_batch": EFFECTIVE_BATCH,
+            "block_size": 64 if quick else BLOCK,
+            "updates": UPDATES,
+            "repeats": repeats,
+            "precision": "fp32",
+            "device": "cpu",
+            "measure": "peak RSS (ru_maxrss), fresh process",
+            "quick": quick,
+        },
+        "settings": [{**s, "label": label(s)} for s in settings],
+        "runs": runs,
+        "median_gb": {name: statistics.median(values) for name, values in runs.items()},
+    }
 
 
 def main():

@@ -51,23 +51,73 @@ def main():
     from ft_accum.memory_planner import GIB, trace_step
 
     started = time.perf_counter()
-    plan = subprocess.run([sys.executable, "-m", "ft_accum.cli", "plan", "--model", "llama-3.1-8b", "--seq_len", "1024", "--effective_batch_size", "32",
-                           "--precision", "bf16", "--lora_r", "16", "--gpu_memory", "24GiB", "--json"], capture_output=True, text=True, check=True)
+    plan = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ft_accum.cli",
+            "plan",
+            "--model",
+            "llama-3.1-8b",
+            "--seq_len",
+            "1024",
+            "--effective_batch_size",
+            "32",
+            "--precision",
+            "bf16",
+            "--lora_r",
+            "16",
+            "--gpu_memory",
+            "24GiB",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     seconds = time.perf_counter() - started
-    child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # only the plan has run as a child so far
+    child_rss = (
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    )  # only the plan has run as a child so far
     rows = []
     for name, (width, layers) in SIZES.items():
         config = GPT2Config(n_embd=width, n_layer=layers, n_head=width // 64, n_positions=1024)
         predicted = trace_step(config, task="causal_lm", micro_batch_size=MICRO, seq_len=SEQ_LEN).peak
-        measured = json.loads(subprocess.run([sys.executable, "-c", MEASURE, str(width), str(layers), str(MICRO), str(SEQ_LEN)],
-                                             capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-        rows.append({"model": name, "width": width, "layers": layers, "micro_batch_size": MICRO, "seq_len": SEQ_LEN,
-                     "predicted_gib": predicted / GIB, "memtracker_gib": measured["memtracker_peak"] / GIB,
-                     "predicted_over_memtracker": predicted / measured["memtracker_peak"],
-                     "rss_growth_plus_static_gib": measured["rss_growth_plus_static"] / GIB})
+        measured = json.loads(
+            subprocess.run(
+                [sys.executable, "-c", MEASURE, str(width), str(layers), str(MICRO), str(SEQ_LEN)],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.splitlines()[-1]
+        )
+        rows.append(
+            {
+                "model": name,
+                "width": width,
+                "layers": layers,
+                "micro_batch_size": MICRO,
+                "seq_len": SEQ_LEN,
+                "predicted_gib": predicted / GIB,
+                "memtracker_gib": measured["memtracker_peak"] / GIB,
+                "predicted_over_memtracker": predicted / measured["memtracker_peak"],
+                "rss_growth_plus_static_gib": measured["rss_growth_plus_static"] / GIB,
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr)
-    print(json.dumps({"sizes": rows, "plan_8b_lora": {"wall_seconds": seconds, "peak_rss_gib": child_rss,
-                                                      "recommended": json.loads(plan.stdout)["recommended"]}}, indent=2))
+    print(
+        json.dumps(
+            {
+                "sizes": rows,
+                "plan_8b_lora": {
+                    "wall_seconds": seconds,
+                    "peak_rss_gib": child_rss,
+                    "recommended": json.loads(plan.stdout)["recommended"],
+                },
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

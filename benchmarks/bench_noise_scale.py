@@ -20,14 +20,28 @@ from timing import steady_rate, summarize  # noqa: E402
 
 
 def run(measure: bool, updates: int, out: Path) -> dict:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"),
-               str(ROOT / "recipes" / "text_classification.py"), "--per_device_train_batch_size=8", "--gradient_accumulation_steps=4",
-               f"--max_train_steps={updates}", f"--max_train_samples={32 * updates}", "--max_eval_samples=32", "--report_to=none",
-               f"--output_dir={out}", *(["--measure_noise_scale"] if measure else [])]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "cpu.yaml"),
+        str(ROOT / "recipes" / "text_classification.py"),
+        "--per_device_train_batch_size=8",
+        "--gradient_accumulation_steps=4",
+        f"--max_train_steps={updates}",
+        f"--max_train_samples={32 * updates}",
+        "--max_eval_samples=32",
+        "--report_to=none",
+        f"--output_dir={out}",
+        *(["--measure_noise_scale"] if measure else []),
+    ]
     subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"samples_per_second": steady_rate([r["samples_per_second"] for r in records]),
-            "noise_scale": records[-1].get("noise_scale")}
+    return {
+        "samples_per_second": steady_rate([r["samples_per_second"] for r in records]),
+        "noise_scale": records[-1].get("noise_scale"),
+    }
 
 
 def main():
@@ -44,8 +58,10 @@ def main():
     result = {"updates": args.updates, "repeats": args.repeats, "runs": runs, **summary}
     (ROOT / "benchmarks" / "results" / "noise_scale.json").write_text(json.dumps(result, indent=2))
     ratio = summary["ratio_to_plain"]["measured"]
-    print(f"--measure_noise_scale throughput: {ratio:.3f}× the run without it (overhead {100 * (1 - ratio):+.1f}%); "
-          f"per-repeat ratios {[round(r, 3) for r in summary['per_repeat_ratios']['measured']]}")
+    print(
+        f"--measure_noise_scale throughput: {ratio:.3f}× the run without it (overhead {100 * (1 - ratio):+.1f}%); "
+        f"per-repeat ratios {[round(r, 3) for r in summary['per_repeat_ratios']['measured']]}"
+    )
 
 
 if __name__ == "__main__":

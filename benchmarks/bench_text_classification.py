@@ -37,7 +37,11 @@ def load_inputs(num_samples):
     path = bundled_minilm_dir()
     train = load_bbc_news(seed=SEED)["train"].select(range(num_samples))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    train = train.map(lambda rows: tokenizer(rows["text"], truncation=True, max_length=SEQ_LEN), batched=True, remove_columns=["text"])
+    train = train.map(
+        lambda rows: tokenizer(rows["text"], truncation=True, max_length=SEQ_LEN),
+        batched=True,
+        remove_columns=["text"],
+    )
     train = train.rename_column("label", "labels")
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=5)
     return model, tokenizer, train
@@ -54,7 +58,10 @@ def run_plain(updates):
     model, tokenizer, train = load_inputs(updates * MICRO * ACCUMULATION)
     loader = DataLoader(train, batch_size=MICRO, shuffle=True, collate_fn=DataCollatorWithPadding(tokenizer))
     clock = plain_accumulation_loop(model, loader, updates, ACCUMULATION, LR)
-    return {"samples_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION)), "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
+    return {
+        "samples_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION)),
+        "peak_memory_gb": peak_memory_gb(torch.device("cpu")),
+    }
 
 
 def run_trainer(updates):
@@ -68,23 +75,72 @@ def run_trainer(updates):
 
     clock = UpdateClock()
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATION, max_steps=updates,
-                                 learning_rate=LR, lr_scheduler_type="linear", max_grad_norm=1.0, weight_decay=0.0, report_to="none",
-                                 save_strategy="no", logging_strategy="no", use_cpu=True, seed=SEED, disable_tqdm=True)
-        Trainer(model=model, args=args, train_dataset=train, data_collator=DataCollatorWithPadding(tokenizer), callbacks=[trainer_callback(clock)]).train()
-    return {"samples_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION)), "peak_memory_gb": peak_memory_gb(torch.device("cpu"))}
+        args = TrainingArguments(
+            out,
+            per_device_train_batch_size=MICRO,
+            gradient_accumulation_steps=ACCUMULATION,
+            max_steps=updates,
+            learning_rate=LR,
+            lr_scheduler_type="linear",
+            max_grad_norm=1.0,
+            weight_decay=0.0,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            use_cpu=True,
+            seed=SEED,
+            disable_tqdm=True,
+        )
+        Trainer(
+            model=model,
+            args=args,
+            train_dataset=train,
+            data_collator=DataCollatorWithPadding(tokenizer),
+            callbacks=[trainer_callback(clock)],
+        ).train()
+    return {
+        "samples_per_second": steady_rate(clock.rates(MICRO * ACCUMULATION)),
+        "peak_memory_gb": peak_memory_gb(torch.device("cpu")),
+    }
 
 
 def run_recipe(updates):
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "cpu.yaml"),
-               str(ROOT / "recipes" / "text_classification.py"), "--per_device_train_batch_size", str(MICRO),
-               "--gradient_accumulation_steps", str(ACCUMULATION), "--max_seq_length", str(SEQ_LEN), "--learning_rate", str(LR),
-               "--weight_decay", "0", "--max_train_samples", str(updates * MICRO * ACCUMULATION), "--max_eval_samples", "8",
-               "--num_train_epochs", "1", "--seed", str(SEED), "--output_dir", out, "--report_to", "none"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / "cpu.yaml"),
+            str(ROOT / "recipes" / "text_classification.py"),
+            "--per_device_train_batch_size",
+            str(MICRO),
+            "--gradient_accumulation_steps",
+            str(ACCUMULATION),
+            "--max_seq_length",
+            str(SEQ_LEN),
+            "--learning_rate",
+            str(LR),
+            "--weight_decay",
+            "0",
+            "--max_train_samples",
+            str(updates * MICRO * ACCUMULATION),
+            "--max_eval_samples",
+            "8",
+            "--num_train_epochs",
+            "1",
+            "--seed",
+            str(SEED),
+            "--output_dir",
+            out,
+            "--report_to",
+            "none",
+        ]
         subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
         results = json.loads((Path(out) / "all_results.json").read_text())
-        rates = [json.loads(line)["samples_per_second"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        rates = [
+            json.loads(line)["samples_per_second"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()
+        ]
     return {"samples_per_second": steady_rate(rates), "peak_memory_gb": results["peak_memory_gb"]}
 
 
@@ -107,15 +163,32 @@ def main():
             if name == "recipe":
                 result = run_recipe(args.updates)
             else:
-                proc = subprocess.run([sys.executable, __file__, "--variant", name, "--updates", str(args.updates)], check=True, capture_output=True, text=True)
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--variant", name, "--updates", str(args.updates)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
                 result = json.loads(proc.stdout.strip().splitlines()[-1])
             runs[name].append(result)
-            print(f"repeat {repeat + 1}/{args.repeats} {name}: {result['samples_per_second']:.2f} samples/s, peak {result['peak_memory_gb']:.2f} GiB", file=sys.stderr)
+            print(
+                f"repeat {repeat + 1}/{args.repeats} {name}: {result['samples_per_second']:.2f} samples/s, peak {result['peak_memory_gb']:.2f} GiB",
+                file=sys.stderr,
+            )
 
     stats = summarize(runs, "samples_per_second")
     summary = {
-        "setup": {"model": "all-MiniLM-L6-v2", "data": "BBC News", "micro_batch": MICRO, "gradient_accumulation_steps": ACCUMULATION,
-                  "max_seq_length": SEQ_LEN, "updates": args.updates, "repeats": args.repeats, "precision": "fp32", "device": "cpu"},
+        "setup": {
+            "model": "all-MiniLM-L6-v2",
+            "data": "BBC News",
+            "micro_batch": MICRO,
+            "gradient_accumulation_steps": ACCUMULATION,
+            "max_seq_length": SEQ_LEN,
+            "updates": args.updates,
+            "repeats": args.repeats,
+            "precision": "fp32",
+            "device": "cpu",
+        },
         "runs": runs,
         "median_samples_per_second": stats["median"],
         "ratio_to_plain": stats["ratio_to_plain"],
@@ -125,10 +198,14 @@ def main():
     out = ROOT / "benchmarks" / "results"
     out.mkdir(exist_ok=True)
     (out / "text_classification.json").write_text(json.dumps(summary, indent=2))
-    print("| variant | median samples/s | ratio to plain loop (median of repeats) | per-repeat ratios | peak RSS (GiB) |\n|---|---|---|---|---|")
+    print(
+        "| variant | median samples/s | ratio to plain loop (median of repeats) | per-repeat ratios | peak RSS (GiB) |\n|---|---|---|---|---|"
+    )
     for name in VARIANTS:
         ratios = ", ".join(f"{r:.3f}" for r in stats["per_repeat_ratios"][name])
-        print(f"| {name} | {stats['median'][name]:.2f} | {stats['ratio_to_plain'][name]:.3f} | {ratios} | {summary['peak_memory_gb'][name]:.2f} |")
+        print(
+            f"| {name} | {stats['median'][name]:.2f} | {stats['ratio_to_plain'][name]:.3f} | {ratios} | {summary['peak_memory_gb'][name]:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -43,42 +43,98 @@ def hyperparameters(updates: int) -> dict:
 def run_ours(model_dir, train_samples, seed, learning_rate, micro, effective, lr_scaling="none", quick=False) -> dict:
     updates = train_samples // effective
     hp = hyperparameters(updates)
-    args = [f"--model_name_or_path={model_dir}", f"--train_file={SST2 / 'train.tsv'}", f"--validation_file={SST2 / 'dev.tsv'}",
-            "--text_column=sentence", "--label_column=label", f"--max_seq_length={SEQ_LEN}", f"--max_train_samples={train_samples}",
-            f"--per_device_train_batch_size={micro}", f"--effective_batch_size={effective}", f"--learning_rate={learning_rate}",
-            "--base_batch_size=32", f"--lr_scaling={lr_scaling}", "--lr_scheduler_type=linear", f"--num_warmup_steps={hp['num_warmup_steps']}",
-            f"--weight_decay={hp['weight_decay']}", f"--max_grad_norm={hp['max_grad_norm']}", "--num_train_epochs=1",
-            "--per_device_eval_batch_size=64", f"--seed={seed}"] + (["--max_eval_samples=32"] if quick else [])
+    args = [
+        f"--model_name_or_path={model_dir}",
+        f"--train_file={SST2 / 'train.tsv'}",
+        f"--validation_file={SST2 / 'dev.tsv'}",
+        "--text_column=sentence",
+        "--label_column=label",
+        f"--max_seq_length={SEQ_LEN}",
+        f"--max_train_samples={train_samples}",
+        f"--per_device_train_batch_size={micro}",
+        f"--effective_batch_size={effective}",
+        f"--learning_rate={learning_rate}",
+        "--base_batch_size=32",
+        f"--lr_scaling={lr_scaling}",
+        "--lr_scheduler_type=linear",
+        f"--num_warmup_steps={hp['num_warmup_steps']}",
+        f"--weight_decay={hp['weight_decay']}",
+        f"--max_grad_norm={hp['max_grad_norm']}",
+        "--num_train_epochs=1",
+        "--per_device_eval_batch_size=64",
+        f"--seed={seed}",
+    ] + (["--max_eval_samples=32"] if quick else [])
     started = time.perf_counter()
     results = run_recipe("text_classification", args, in_process=quick)[0]
-    return {"accuracy": results["eval_accuracy"], "updates": results["num_update_steps"],
-            "wall_seconds": time.perf_counter() - started, "train_seconds": results["train_runtime"], "learning_rate": results.get("learning_rate")}
+    return {
+        "accuracy": results["eval_accuracy"],
+        "updates": results["num_update_steps"],
+        "wall_seconds": time.perf_counter() - started,
+        "train_seconds": results["train_runtime"],
+        "learning_rate": results.get("learning_rate"),
+    }
 
 
 def trainer_run(model_dir, train_samples, seed, learning_rate, quick=False) -> dict:
     """transformers.Trainer at 8 × 4 on the same rows and hyperparameters (run in its own process)."""
     import datasets
     import numpy as np
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer, TrainingArguments
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    raw = datasets.load_dataset("csv", data_files={"train": str(SST2 / "train.tsv"), "validation": str(SST2 / "dev.tsv")}, delimiter="\t")
+    raw = datasets.load_dataset(
+        "csv", data_files={"train": str(SST2 / "train.tsv"), "validation": str(SST2 / "dev.tsv")}, delimiter="\t"
+    )
     raw["train"] = raw["train"].select(range(train_samples))
     if quick:
         raw["validation"] = raw["validation"].select(range(32))
-    data = raw.map(lambda r: tokenizer(r["sentence"], truncation=True, max_length=SEQ_LEN), batched=True, remove_columns=["sentence"])
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2, ignore_mismatched_sizes=True)  # as the recipe loads it
+    data = raw.map(
+        lambda r: tokenizer(r["sentence"], truncation=True, max_length=SEQ_LEN),
+        batched=True,
+        remove_columns=["sentence"],
+    )
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_dir, num_labels=2, ignore_mismatched_sizes=True
+    )  # as the recipe loads it
     hp = hyperparameters(train_samples // (MICRO * ACCUMULATION))
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATION, per_device_eval_batch_size=64,
-                                 learning_rate=learning_rate, lr_scheduler_type="linear", warmup_steps=hp["num_warmup_steps"],
-                                 weight_decay=hp["weight_decay"], max_grad_norm=hp["max_grad_norm"], num_train_epochs=1, seed=seed, data_seed=seed,
-                                 report_to="none", save_strategy="no", logging_strategy="no", eval_strategy="no", use_cpu=True, disable_tqdm=True)
-        trainer = Trainer(model=model, args=args, train_dataset=data["train"], data_collator=DataCollatorWithPadding(tokenizer))
+        args = TrainingArguments(
+            out,
+            per_device_train_batch_size=MICRO,
+            gradient_accumulation_steps=ACCUMULATION,
+            per_device_eval_batch_size=64,
+            learning_rate=learning_rate,
+            lr_scheduler_type="linear",
+            warmup_steps=hp["num_warmup_steps"],
+            weight_decay=hp["weight_decay"],
+            max_grad_norm=hp["max_grad_norm"],
+            num_train_epochs=1,
+            seed=seed,
+            data_seed=seed,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            eval_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(
+            model=model, args=args, train_dataset=data["train"], data_collator=DataCollatorWithPadding(tokenizer)
+        )
         train_output = trainer.train()
         prediction = trainer.predict(data["validation"])
     accuracy = float((np.argmax(prediction.predictions, axis=-1) == prediction.label_ids).mean())
-    return {"accuracy": accuracy, "updates": train_output.global_step, "train_seconds": train_output.metrics["train_runtime"]}
+    return {
+        "accuracy": accuracy,
+        "updates": train_output.global_step,
+        "train_seconds": train_output.metrics["train_runtime"],
+    }
 
 
 def run_trainer(model_dir, train_samples, seed, learning_rate, quick=False) -> dict:
@@ -90,8 +146,17 @@ def run_trainer(model_dir, train_samples, seed, learning_rate, quick=False) -> d
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     else:
-        proc = subprocess.run([sys.executable, __file__, "--trainer_run", json.dumps([str(model_dir), train_samples, seed, learning_rate])],
-                              check=True, capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--trainer_run",
+                json.dumps([str(model_dir), train_samples, seed, learning_rate]),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         result = json.loads(proc.stdout.strip().splitlines()[-1])
     return {**result, "wall_seconds": time.perf_counter() - started}
 
@@ -118,23 +183,50 @@ def measure(seeds=(42, 43, 44), train_samples=2048, quick=False) -> dict:
         contenders = {
             "ours, 8 × 4 = 32": lambda seed: run_ours(model_dir, train_samples, seed, base_lr, MICRO, 32, quick=quick),
             "Trainer, 8 × 4 = 32": lambda seed: run_trainer(model_dir, train_samples, seed, base_lr, quick=quick),
-            **{f"ours, {big_micro} × {big // big_micro} = {big}, lr_scaling {policy}":
-               (lambda seed, policy=policy: run_ours(model_dir, train_samples, seed, base_lr, big_micro, big, policy, quick=quick))
-               for policy in ("none", "linear", "sqrt")},
+            **{
+                f"ours, {big_micro} × {big // big_micro} = {big}, lr_scaling {policy}": (
+                    lambda seed, policy=policy: run_ours(
+                        model_dir, train_samples, seed, base_lr, big_micro, big, policy, quick=quick
+                    )
+                )
+                for policy in ("none", "linear", "sqrt")
+            },
         }
         runs = {name: [] for name in contenders}
         for i, seed in enumerate(seeds):
             names = list(contenders)
-            for name in names[i % len(names):] + names[:i % len(names)]:  # each seed starts with the next contender
+            for name in names[i % len(names) :] + names[: i % len(names)]:  # each seed starts with the next contender
                 run = contenders[name]
                 result = run(seed)
                 runs[name].append({"seed": seed, **result})
-                print(f"seed {seed} {name}: accuracy {result['accuracy']:.4f}, {result['wall_seconds']:.0f} s", file=sys.stderr)
-    summary = {name: {key: statistics.median(r[key] for r in rs) for key in ("accuracy", "wall_seconds", "train_seconds", "updates")}
-               for name, rs in runs.items()}
-    return {"setup": {"data": "SST-2 (GLUE)", "train_samples": train_samples, "dev_samples": 32 if quick else 872, "model": "tiny BERT (quick)" if quick else "all-MiniLM-L6-v2",
-                      "max_seq_length": SEQ_LEN, "seeds": list(seeds), "quick": quick, "precision": "fp32", "device": "cpu"},
-            "tuning": {str(lr): r for lr, r in tuning.items()}, "base_learning_rate": base_lr, "runs": runs, "median": summary}
+                print(
+                    f"seed {seed} {name}: accuracy {result['accuracy']:.4f}, {result['wall_seconds']:.0f} s",
+                    file=sys.stderr,
+                )
+    summary = {
+        name: {
+            key: statistics.median(r[key] for r in rs)
+            for key in ("accuracy", "wall_seconds", "train_seconds", "updates")
+        }
+        for name, rs in runs.items()
+    }
+    return {
+        "setup": {
+            "data": "SST-2 (GLUE)",
+            "train_samples": train_samples,
+            "dev_samples": 32 if quick else 872,
+            "model": "tiny BERT (quick)" if quick else "all-MiniLM-L6-v2",
+            "max_seq_length": SEQ_LEN,
+            "seeds": list(seeds),
+            "quick": quick,
+            "precision": "fp32",
+            "device": "cpu",
+        },
+        "tuning": {str(lr): r for lr, r in tuning.items()},
+        "base_learning_rate": base_lr,
+        "runs": runs,
+        "median": summary,
+    }
 
 
 def main():

@@ -62,16 +62,22 @@ def main():
 
     ratios = {}
     for method in ("accelerate default", "ft-accum as the recipes run it", "window-count loss"):
-        accelerator = Accelerator(gradient_accumulation_steps=ACCUMULATION, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+        accelerator = Accelerator(
+            gradient_accumulation_steps=ACCUMULATION, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")]
+        )
         if accelerator.num_processes != 2 or accelerator.distributed_type.value != "DEEPSPEED":
-            sys.exit(f"error: expected DeepSpeed on 2 processes, got {accelerator.distributed_type.value} on {accelerator.num_processes}")
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = MICRO  # no DataLoader to read it from
+            sys.exit(
+                f"error: expected DeepSpeed on 2 processes, got {accelerator.distributed_type.value} on {accelerator.num_processes}"
+            )
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = (
+            MICRO  # no DataLoader to read it from
+        )
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
         model, optimizer = accelerator.prepare(model, optimizer)
         rank = accelerator.process_index
-        micro_batches = [collate(rows[4 * rank + 2 * m: 4 * rank + 2 * m + 2]) for m in range(ACCUMULATION)]
-        window_targets = sum(int((collate(rows[i:i + 2])["labels"][:, 1:] != -100).sum()) for i in range(0, 8, 2))
+        micro_batches = [collate(rows[4 * rank + 2 * m : 4 * rank + 2 * m + 2]) for m in range(ACCUMULATION)]
+        window_targets = sum(int((collate(rows[i : i + 2])["labels"][:, 1:] != -100).sum()) for i in range(0, 8, 2))
         for batch in micro_batches:
             with accelerator.accumulate(model):
                 if method == "accelerate default":
@@ -79,7 +85,11 @@ def main():
                 else:
                     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                     loss_sum, _ = causal_lm_loss_sum(logits, batch["labels"])
-                    loss = loss_sum / MICRO if method.startswith("ft-accum") else loss_sum * ACCUMULATION * accelerator.num_processes / window_targets
+                    loss = (
+                        loss_sum / MICRO
+                        if method.startswith("ft-accum")
+                        else loss_sum * ACCUMULATION * accelerator.num_processes / window_targets
+                    )
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()

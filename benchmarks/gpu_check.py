@@ -58,8 +58,17 @@ def dropout_free_minilm(path: Path) -> Path:
 def launch_with_config(config: str, args: list[str], output_dir: Path) -> dict:
     import subprocess
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-           str(ROOT / "recipes" / "text_classification.py"), *args, f"--output_dir={output_dir}", "--report_to=none"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / config),
+        str(ROOT / "recipes" / "text_classification.py"),
+        *args,
+        f"--output_dir={output_dir}",
+        "--report_to=none",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
@@ -72,15 +81,38 @@ def check_mixed_precision(model_dir: Path, precisions, updates: int, seq_len: in
     rows = []
     for precision in precisions:
         with tempfile.TemporaryDirectory() as out:
-            common = [f"--model_name_or_path={model_dir}", f"--max_seq_length={seq_len}", f"--max_train_steps={updates}", "--max_eval_samples=16",
-                      "--learning_rate=1e-4", "--lr_scaling=none", "--weight_decay=0", "--num_warmup_steps=0", "--seed=42",
-                      f"--max_train_samples={8 * updates}"]
+            common = [
+                f"--model_name_or_path={model_dir}",
+                f"--max_seq_length={seq_len}",
+                f"--max_train_steps={updates}",
+                "--max_eval_samples=16",
+                "--learning_rate=1e-4",
+                "--lr_scaling=none",
+                "--weight_decay=0",
+                "--num_warmup_steps=0",
+                "--seed=42",
+                f"--max_train_samples={8 * updates}",
+            ]
             config = CONFIGS[precision] if torch.cuda.is_available() or precision == "no" else "cpu.yaml"
-            launch_with_config(config, [*common, "--per_device_train_batch_size=8", "--gradient_accumulation_steps=1"], Path(out) / "full")
-            launch_with_config(config, [*common, "--per_device_train_batch_size=2", "--gradient_accumulation_steps=4"], Path(out) / "accumulated")
+            launch_with_config(
+                config,
+                [*common, "--per_device_train_batch_size=8", "--gradient_accumulation_steps=1"],
+                Path(out) / "full",
+            )
+            launch_with_config(
+                config,
+                [*common, "--per_device_train_batch_size=2", "--gradient_accumulation_steps=4"],
+                Path(out) / "accumulated",
+            )
             error = relative_error(final_weights(Path(out) / "accumulated"), final_weights(Path(out) / "full"))
-        rows.append({"check": f"(8 × 1) = (2 × 4), {precision if precision != 'no' else 'fp32'}", "measured": f"{error:.1e}",
-                     "bound": f"≤ {TOLERANCE[precision]:.0e}", "pass": error <= TOLERANCE[precision]})
+        rows.append(
+            {
+                "check": f"(8 × 1) = (2 × 4), {precision if precision != 'no' else 'fp32'}",
+                "measured": f"{error:.1e}",
+                "bound": f"≤ {TOLERANCE[precision]:.0e}",
+                "pass": error <= TOLERANCE[precision],
+            }
+        )
     return rows
 
 
@@ -106,67 +138,146 @@ def check_planner() -> list[dict]:
         optimizer = _optimizer("adamw", list(model.parameters()))
         batch = {k: v.cuda() for k, v in _batch(config, "causal_lm", 4, 256).items()}
 
-        cuda_step(model, optimizer, batch, precision)  # allocates the optimizer state, as the planner's steady state assumes
+        cuda_step(
+            model, optimizer, batch, precision
+        )  # allocates the optimizer state, as the planner's steady state assumes
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         cuda_step(model, optimizer, batch, precision)
         measured = torch.cuda.max_memory_allocated()
         del model, optimizer, batch
         torch.cuda.empty_cache()
-        rows.append({"check": f"planner vs max_memory_allocated, GPT-2 124M, 4 × 256, {precision}",
-                     "measured": f"{predicted / GIB:.2f} vs {measured / GIB:.2f} GiB ({predicted / measured:.3f}×)", "bound": "0.90–1.10×",
-                     "pass": 0.9 <= predicted / measured <= 1.1})
+        rows.append(
+            {
+                "check": f"planner vs max_memory_allocated, GPT-2 124M, 4 × 256, {precision}",
+                "measured": f"{predicted / GIB:.2f} vs {measured / GIB:.2f} GiB ({predicted / measured:.3f}×)",
+                "bound": "0.90–1.10×",
+                "pass": 0.9 <= predicted / measured <= 1.1,
+            }
+        )
     return rows
 
 
 def check_oom_replan(model_dir: Path) -> list[dict]:
     from conftest import final_weights, relative_error, run_in_process
 
-    common = [f"--model_name_or_path={model_dir}", "--max_seq_length=128", "--max_train_steps=2", "--max_eval_samples=16", "--learning_rate=1e-4",
-              "--lr_scaling=none", "--weight_decay=0", "--num_warmup_steps=0", "--seed=42", "--max_train_samples=512", "--report_to=none"]
+    common = [
+        f"--model_name_or_path={model_dir}",
+        "--max_seq_length=128",
+        "--max_train_steps=2",
+        "--max_eval_samples=16",
+        "--learning_rate=1e-4",
+        "--lr_scaling=none",
+        "--weight_decay=0",
+        "--num_warmup_steps=0",
+        "--seed=42",
+        "--max_train_samples=512",
+        "--report_to=none",
+    ]
     with tempfile.TemporaryDirectory() as out:
-        small = run_in_process("text_classification", [*common, "--per_device_train_batch_size=8", "--gradient_accumulation_steps=1", f"--output_dir={out}/small"])
+        small = run_in_process(
+            "text_classification",
+            [
+                *common,
+                "--per_device_train_batch_size=8",
+                "--gradient_accumulation_steps=1",
+                f"--output_dir={out}/small",
+            ],
+        )
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, 3 * small["peak_memory_gb"] * 2**30 / total))
-        auto = run_in_process("text_classification", [*common, "--per_device_train_batch_size=256", "--gradient_accumulation_steps=1", "--auto_micro_batch",
-                                                      f"--output_dir={out}/auto"])
+        auto = run_in_process(
+            "text_classification",
+            [
+                *common,
+                "--per_device_train_batch_size=256",
+                "--gradient_accumulation_steps=1",
+                "--auto_micro_batch",
+                f"--output_dir={out}/auto",
+            ],
+        )
         torch.cuda.set_per_process_memory_fraction(1.0)
         micro = auto["per_device_train_batch_size"]
-        run_in_process("text_classification", [*common, f"--per_device_train_batch_size={micro}", f"--gradient_accumulation_steps={256 // micro}",
-                                               f"--output_dir={out}/direct"])
+        run_in_process(
+            "text_classification",
+            [
+                *common,
+                f"--per_device_train_batch_size={micro}",
+                f"--gradient_accumulation_steps={256 // micro}",
+                f"--output_dir={out}/direct",
+            ],
+        )
         error = relative_error(final_weights(Path(out) / "auto"), final_weights(Path(out) / "direct"))
-    return [{"check": f"real OOM at 256 × 1 → {micro} × {256 // micro}, same as a run started there", "measured": f"{error:.1e}", "bound": "≤ 1e-05, micro < 256",
-             "pass": micro < 256 and error <= 1e-5}]
+    return [
+        {
+            "check": f"real OOM at 256 × 1 → {micro} × {256 // micro}, same as a run started there",
+            "measured": f"{error:.1e}",
+            "bound": "≤ 1e-05, micro < 256",
+            "pass": micro < 256 and error <= 1e-5,
+        }
+    ]
 
 
 def trainer_rate(micro: int, accumulation: int, updates: int, seq_len: int, bf16: bool) -> float:
+    from bench_loop_overhead import load_inputs
     from transformers import Trainer, TrainingArguments
 
-    from bench_loop_overhead import load_inputs
     from ft_accum.offline_assets import bundled_minilm_dir
 
     model, collate, rows = load_inputs("classification", bundled_minilm_dir(), updates * micro * accumulation)
     clock = UpdateClock()
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation, max_steps=updates, learning_rate=1e-4,
-                                 max_grad_norm=1.0, weight_decay=0.0, report_to="none", save_strategy="no", logging_strategy="no", bf16=bf16,
-                                 use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
-        Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[trainer_callback(clock)]).train()
+        args = TrainingArguments(
+            out,
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=accumulation,
+            max_steps=updates,
+            learning_rate=1e-4,
+            max_grad_norm=1.0,
+            weight_decay=0.0,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            bf16=bf16,
+            use_cpu=not torch.cuda.is_available(),
+            disable_tqdm=True,
+        )
+        Trainer(
+            model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[trainer_callback(clock)]
+        ).train()
     return steady_rate(clock.rates(micro * accumulation))
 
 
 def check_throughput(micro: int, accumulation: int, updates: int, repeats: int, bf16: bool) -> list[dict]:
     import subprocess
 
-    from accelerate.state import AcceleratorState, GradientState
-
     import bench_loop_overhead
+    from accelerate.state import AcceleratorState, GradientState
 
     ratios = []
     for _ in range(repeats):
-        args = ["--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accumulation), "--max_seq_length",
-                str(bench_loop_overhead.SEQ_LEN), "--max_train_steps", str(updates), "--max_train_samples", str(updates * micro * accumulation),
-                "--max_eval_samples", "8", "--learning_rate", "1e-4", "--lr_scaling", "none", "--weight_decay", "0", "--num_warmup_steps", "0"]
+        args = [
+            "--per_device_train_batch_size",
+            str(micro),
+            "--gradient_accumulation_steps",
+            str(accumulation),
+            "--max_seq_length",
+            str(bench_loop_overhead.SEQ_LEN),
+            "--max_train_steps",
+            str(updates),
+            "--max_train_samples",
+            str(updates * micro * accumulation),
+            "--max_eval_samples",
+            "8",
+            "--learning_rate",
+            "1e-4",
+            "--lr_scaling",
+            "none",
+            "--weight_decay",
+            "0",
+            "--num_warmup_steps",
+            "0",
+        ]
         if bf16:
             with tempfile.TemporaryDirectory() as out:
                 launch_with_config("single_gpu_bf16.yaml", args, Path(out))
@@ -174,26 +285,47 @@ def check_throughput(micro: int, accumulation: int, updates: int, repeats: int, 
         else:
             records = launch_recipe("text_classification", args)[1]
         ours = steady_rate([r["samples_per_second"] for r in records])
-        proc = subprocess.run([sys.executable, __file__, "--trainer_rate", json.dumps([micro, accumulation, updates, bench_loop_overhead.SEQ_LEN, bf16])],
-                              capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--trainer_rate",
+                json.dumps([micro, accumulation, updates, bench_loop_overhead.SEQ_LEN, bf16]),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         ratios.append(ours / json.loads(proc.stdout.strip().splitlines()[-1]))
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     ratio = statistics.median(ratios)
-    return [{"check": f"throughput recipe / Trainer, {'bf16' if bf16 else 'fp32'}, {micro} × {accumulation}", "measured": f"{ratio:.3f}× "
-             f"(per repeat {', '.join(f'{r:.2f}' for r in ratios)})", "bound": "≥ 1.0×", "pass": ratio >= 1.0}]
+    return [
+        {
+            "check": f"throughput recipe / Trainer, {'bf16' if bf16 else 'fp32'}, {micro} × {accumulation}",
+            "measured": f"{ratio:.3f}× (per repeat {', '.join(f'{r:.2f}' for r in ratios)})",
+            "bound": "≥ 1.0×",
+            "pass": ratio >= 1.0,
+        }
+    ]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry_run", action="store_true", help="CPU, tiny settings, checks 1 (fp32) and 4 only: tests this script, not a GPU")
+    parser.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="CPU, tiny settings, checks 1 (fp32) and 4 only: tests this script, not a GPU",
+    )
     parser.add_argument("--trainer_rate", help=argparse.SUPPRESS)  # internal: one Trainer run in a fresh process
     args = parser.parse_args()
     if args.trainer_rate:
         print(json.dumps(trainer_rate(*json.loads(args.trainer_rate))))
         return
     if not torch.cuda.is_available() and not args.dry_run:
-        sys.exit("error: no CUDA GPU here; gpu_check.py checks what only a GPU can (use --dry_run to test the script on CPU)")
+        sys.exit(
+            "error: no CUDA GPU here; gpu_check.py checks what only a GPU can (use --dry_run to test the script on CPU)"
+        )
     rows = []
     with tempfile.TemporaryDirectory() as models:
         model_dir = dropout_free_minilm(Path(models) / "minilm-no-dropout")

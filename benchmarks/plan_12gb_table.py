@@ -21,20 +21,34 @@ MODELS = [  # (shipped config, task, sequence length)
     ("qwen2.5-1.5b", "causal_lm", 1024),
     ("llama-3.1-8b", "causal_lm", 1024),
 ]
-MODES = {"full fine-tuning (bf16-mixed, AdamW)": {"precision": "bf16-mixed", "optimizer": "adamw"},
-         "LoRA r=16 (bf16 weights)": {"precision": "bf16", "optimizer": "adamw", "lora_r": 16}}
+MODES = {
+    "full fine-tuning (bf16-mixed, AdamW)": {"precision": "bf16-mixed", "optimizer": "adamw"},
+    "LoRA r=16 (bf16 weights)": {"precision": "bf16", "optimizer": "adamw", "lora_r": 16},
+}
 
 
 def cell(model, task, seq_len, settings, args):
     try:
-        result = plan(model, task=task, seq_len=seq_len, effective_batch_size=args.effective_batch_size, gpu_memory_gib=args.gpu_memory, **settings)
+        result = plan(
+            model,
+            task=task,
+            seq_len=seq_len,
+            effective_batch_size=args.effective_batch_size,
+            gpu_memory_gib=args.gpu_memory,
+            **settings,
+        )
     except ConfigError as exc:
-        return "does not fit: " + str(exc).split(";")[0].replace("the weights and optimizer state alone need", "weights + optimizer state need")
+        return "does not fit: " + str(exc).split(";")[0].replace(
+            "the weights and optimizer state alone need", "weights + optimizer state need"
+        )
     best = result["recommended"]
     if best is None:
         return "does not fit at micro-batch 1"
-    return (f"{best['per_device_train_batch_size']} × {best['gradient_accumulation_steps']}"
-            + (", checkpointing" if best["gradient_checkpointing"] else "") + f" ({best['peak_gib']:.1f} GiB)")
+    return (
+        f"{best['per_device_train_batch_size']} × {best['gradient_accumulation_steps']}"
+        + (", checkpointing" if best["gradient_checkpointing"] else "")
+        + f" ({best['peak_gib']:.1f} GiB)"
+    )
 
 
 def main():

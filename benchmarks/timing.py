@@ -50,7 +50,11 @@ def summarize(runs: dict[str, list[dict]], key: str, baseline: str = "plain") ->
     """Median rate per variant over repeats, and the median of per-repeat ratios to the baseline."""
     median = {name: statistics.median(r[key] for r in rs) for name, rs in runs.items()}
     ratios = {name: [a[key] / b[key] for a, b in zip(rs, runs[baseline])] for name, rs in runs.items()}
-    return {"median": median, "ratio_to_plain": {n: statistics.median(r) for n, r in ratios.items()}, "per_repeat_ratios": ratios}
+    return {
+        "median": median,
+        "ratio_to_plain": {n: statistics.median(r) for n, r in ratios.items()},
+        "per_repeat_ratios": ratios,
+    }
 
 
 def plain_accumulation_loop(model, loader, updates: int, accumulation: int, learning_rate: float) -> UpdateClock:
@@ -99,11 +103,28 @@ def launch_recipe(recipe: str, args: list[str], num_processes: int = 1) -> tuple
         cmd = [*accelerate, "--config_file", str(root / "accelerate_configs" / "cpu.yaml")]
     else:  # `--cpu --num_processes N` silently runs one process in accelerate 1.15; this runs N (MULTI_CPU, gloo)
         env |= {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // num_processes))}
-        cmd = [*accelerate, "--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+        cmd = [
+            *accelerate,
+            "--multi_gpu",
+            "--num_processes",
+            str(num_processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(_free_port()),
+        ]
     with tempfile.TemporaryDirectory() as out:
-        proc = subprocess.run([*cmd, str(root / "recipes" / f"{recipe}.py"), *args, "--output_dir", out, "--report_to", "none"],
-                              capture_output=True, text=True, cwd=root, env=env)
+        proc = subprocess.run(
+            [*cmd, str(root / "recipes" / f"{recipe}.py"), *args, "--output_dir", out, "--report_to", "none"],
+            capture_output=True,
+            text=True,
+            cwd=root,
+            env=env,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{recipe} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         results = json.loads((Path(out) / "all_results.json").read_text())
@@ -144,6 +165,12 @@ def machine_info() -> dict:
         pass
     import os
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "accelerate": accelerate.__version__}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+    }

@@ -32,8 +32,10 @@ from dataclasses import dataclass
 
 from ft_accum.errors import ConfigError
 
-FORMAT = ('"UPDATE:EFFECTIVE_BATCH,..." (e.g. "100:64,300:128"), "epochN:EFFECTIVE_BATCH,..." '
-          '(e.g. "epoch1:64"), or "adaptive[:max=N,factor=F,patience=K]"')
+FORMAT = (
+    '"UPDATE:EFFECTIVE_BATCH,..." (e.g. "100:64,300:128"), "epochN:EFFECTIVE_BATCH,..." '
+    '(e.g. "epoch1:64"), or "adaptive[:max=N,factor=F,patience=K]"'
+)
 
 
 @dataclass(frozen=True)
@@ -55,14 +57,21 @@ def parse_accumulation_schedule(text: str | None) -> AccumulationSchedule | None
         for item in filter(None, text.partition(":")[2].split(",")):
             key, _, value = item.strip().partition("=")
             if key not in ("max", "factor", "patience") or not value:
-                raise ConfigError(f"--accumulation_schedule {text!r}: unknown adaptive option {item.strip()!r}; the format is {FORMAT}")
+                raise ConfigError(
+                    f"--accumulation_schedule {text!r}: unknown adaptive option {item.strip()!r}; the format is {FORMAT}"
+                )
             options[key] = value
         try:
             schedule = AccumulationSchedule(
-                "adaptive", max_effective_batch_size=int(options["max"]) if "max" in options else None,
-                factor=float(options.get("factor", 2.0)), patience=int(options.get("patience", 10)))
+                "adaptive",
+                max_effective_batch_size=int(options["max"]) if "max" in options else None,
+                factor=float(options.get("factor", 2.0)),
+                patience=int(options.get("patience", 10)),
+            )
         except ValueError:
-            raise ConfigError(f"--accumulation_schedule {text!r}: max and patience are integers, factor a number; the format is {FORMAT}") from None
+            raise ConfigError(
+                f"--accumulation_schedule {text!r}: max and patience are integers, factor a number; the format is {FORMAT}"
+            ) from None
         if schedule.factor <= 0 or schedule.patience < 1 or (schedule.max_effective_batch_size or 1) < 1:
             raise ConfigError(f"--accumulation_schedule {text!r}: max ≥ 1, factor > 0 and patience ≥ 1 are required")
         return schedule
@@ -70,7 +79,9 @@ def parse_accumulation_schedule(text: str | None) -> AccumulationSchedule | None
     for item in text.split(","):
         match = re.fullmatch(r"\s*(epoch)?(\d+)\s*:\s*(\d+)\s*", item)
         if not match:
-            raise ConfigError(f"--accumulation_schedule {text!r}: cannot read {item.strip()!r}; the format is {FORMAT}")
+            raise ConfigError(
+                f"--accumulation_schedule {text!r}: cannot read {item.strip()!r}; the format is {FORMAT}"
+            )
         units.add("epoch" if match[1] else "update")
         changes.append((int(match[2]), int(match[3])))
     if len(units) > 1:
@@ -79,14 +90,20 @@ def parse_accumulation_schedule(text: str | None) -> AccumulationSchedule | None
     if starts != sorted(set(starts)):
         raise ConfigError(f"--accumulation_schedule {text!r}: the starts must increase, each given once")
     if starts[0] == 0:
-        raise ConfigError(f"--accumulation_schedule {text!r}: the run starts at --effective_batch_size; list only the changes (starts ≥ 1)")
+        raise ConfigError(
+            f"--accumulation_schedule {text!r}: the run starts at --effective_batch_size; list only the changes (starts ≥ 1)"
+        )
     if any(size < 1 for _, size in changes):
         raise ConfigError(f"--accumulation_schedule {text!r}: effective batch sizes must be ≥ 1")
     return AccumulationSchedule(units.pop(), tuple(changes))
 
 
-def check_schedule(schedule: AccumulationSchedule | None, per_device_train_batch_size: int, num_processes: int,
-                   start_effective_batch_size: int) -> None:
+def check_schedule(
+    schedule: AccumulationSchedule | None,
+    per_device_train_batch_size: int,
+    num_processes: int,
+    start_effective_batch_size: int,
+) -> None:
     """Every scheduled effective batch must split into micro × accumulation × processes; the adaptive cap must be ≥ the start."""
     if schedule is None:
         return
@@ -94,8 +111,10 @@ def check_schedule(schedule: AccumulationSchedule | None, per_device_train_batch
     if schedule.unit == "adaptive":
         cap = schedule.max_effective_batch_size
         if cap is not None and cap < start_effective_batch_size:
-            raise ConfigError(f"--accumulation_schedule adaptive: max={cap} is below the starting effective batch {start_effective_batch_size}; "
-                              f"use max={2 * start_effective_batch_size} or more")
+            raise ConfigError(
+                f"--accumulation_schedule adaptive: max={cap} is below the starting effective batch {start_effective_batch_size}; "
+                f"use max={2 * start_effective_batch_size} or more"
+            )
         return
     for start, size in schedule.changes:
         if size % per_window:
@@ -104,10 +123,13 @@ def check_schedule(schedule: AccumulationSchedule | None, per_device_train_batch
             nearest = " or ".join(f"{where}:{v}" for v in (lower, upper) if v > 0)
             raise ConfigError(
                 f"--accumulation_schedule entry {where}:{size} is not divisible by per_device_train_batch_size "
-                f"{per_device_train_batch_size} × {num_processes} process(es) = {per_window}; use {nearest}")
+                f"{per_device_train_batch_size} × {num_processes} process(es) = {per_window}; use {nearest}"
+            )
 
 
-def scheduled_effective_batch(schedule: AccumulationSchedule | None, start_effective_batch_size: int, update: int, epoch: int) -> int:
+def scheduled_effective_batch(
+    schedule: AccumulationSchedule | None, start_effective_batch_size: int, update: int, epoch: int
+) -> int:
     """The effective batch of the update after `update` completed ones, in `epoch` (fixed schedules; else the start)."""
     current = start_effective_batch_size
     if schedule is None or schedule.unit == "adaptive":
@@ -119,9 +141,15 @@ def scheduled_effective_batch(schedule: AccumulationSchedule | None, start_effec
     return current
 
 
-def plan_windows(batches_per_epoch: int, num_train_epochs: int, per_device_train_batch_size: int, num_processes: int,
-                 start_effective_batch_size: int, schedule: AccumulationSchedule | None,
-                 max_train_steps: int | None = None) -> list[list[int]]:
+def plan_windows(
+    batches_per_epoch: int,
+    num_train_epochs: int,
+    per_device_train_batch_size: int,
+    num_processes: int,
+    start_effective_batch_size: int,
+    schedule: AccumulationSchedule | None,
+    max_train_steps: int | None = None,
+) -> list[list[int]]:
     """Micro-batches per update, epoch by epoch, as the training loop will take them.
 
     A window never spans two epochs (Accelerate syncs at the end of the dataloader), so each
@@ -144,7 +172,9 @@ def plan_windows(batches_per_epoch: int, num_train_epochs: int, per_device_train
     return plan
 
 
-def scheduler_advance(schedule: AccumulationSchedule | None, window_samples: int, start_effective_batch_size: int) -> int:
+def scheduler_advance(
+    schedule: AccumulationSchedule | None, window_samples: int, start_effective_batch_size: int
+) -> int:
     """LR-scheduler steps for one update of `window_samples` samples (all processes).
 
     One for a fixed schedule (it is sized in real updates). Under `adaptive` the scheduler counts
@@ -156,8 +186,13 @@ def scheduler_advance(schedule: AccumulationSchedule | None, window_samples: int
     return math.ceil(window_samples / start_effective_batch_size)
 
 
-def adaptive_effective_batch(schedule: AccumulationSchedule, measured_noise_scale: float | None, effective_batch_size: int,
-                             start_effective_batch_size: int, updates_since_change: int) -> int:
+def adaptive_effective_batch(
+    schedule: AccumulationSchedule,
+    measured_noise_scale: float | None,
+    effective_batch_size: int,
+    start_effective_batch_size: int,
+    updates_since_change: int,
+) -> int:
     """Double the effective batch when the noise scale exceeds `factor` × it (Smith et al. 2018).
 
     Powers of two of the start, up to the cap; no change within `patience` updates of the last
@@ -172,8 +207,15 @@ def adaptive_effective_batch(schedule: AccumulationSchedule, measured_noise_scal
     return effective_batch_size
 
 
-def next_effective_batch(schedule: AccumulationSchedule, start_effective_batch_size: int, update: int, epoch: int,
-                         effective_batch_size: int, last_change: int, measured_noise_scale: float | None) -> int:
+def next_effective_batch(
+    schedule: AccumulationSchedule,
+    start_effective_batch_size: int,
+    update: int,
+    epoch: int,
+    effective_batch_size: int,
+    last_change: int,
+    measured_noise_scale: float | None,
+) -> int:
     """The effective batch of the window that starts after `update` completed updates, in `epoch`.
 
     Fixed schedules read it off the schedule; `adaptive` decides from the measured noise scale
@@ -181,7 +223,9 @@ def next_effective_batch(schedule: AccumulationSchedule, start_effective_batch_s
     """
     if schedule.unit != "adaptive":
         return scheduled_effective_batch(schedule, start_effective_batch_size, update, epoch)
-    return adaptive_effective_batch(schedule, measured_noise_scale, effective_batch_size, start_effective_batch_size, update - last_change)
+    return adaptive_effective_batch(
+        schedule, measured_noise_scale, effective_batch_size, start_effective_batch_size, update - last_change
+    )
 
 
 def set_peak_learning_rate(optimizer, lr_scheduler, learning_rate: float) -> None:
@@ -213,8 +257,15 @@ class AccumulationScheduler:
         self.args, self.start, self.processes = args, plan.effective, plan.processes
         self.schedule = parse_accumulation_schedule(args.accumulation_schedule)
         check_schedule(self.schedule, plan.micro, plan.processes, plan.effective)
-        self.windows = plan_windows(batches_per_epoch, args.num_train_epochs, plan.micro, plan.processes, self.start,
-                                    self.schedule, args.max_train_steps)
+        self.windows = plan_windows(
+            batches_per_epoch,
+            args.num_train_epochs,
+            plan.micro,
+            plan.processes,
+            self.start,
+            self.schedule,
+            args.max_train_steps,
+        )
         self.num_update_steps = sum(map(len, self.windows))
         self.num_epochs = len(self.windows)
 
@@ -222,8 +273,9 @@ class AccumulationScheduler:
         """--lr_scheduler_type over the planned updates (see lr_schedule); pass it through `accelerator.prepare`."""
         from ft_accum.lr_schedule import build_lr_scheduler
 
-        return build_lr_scheduler(self.args.lr_scheduler_type, optimizer, self.args.num_warmup_steps,
-                                  self.num_update_steps, self.processes)
+        return build_lr_scheduler(
+            self.args.lr_scheduler_type, optimizer, self.args.num_warmup_steps, self.num_update_steps, self.processes
+        )
 
     def at_window_start(self, accelerator, optimizer, lr_scheduler, plan, state, measured_noise_scale):
         """The plan of the window about to start; a change re-applies --lr_scaling to the new effective batch."""
@@ -231,8 +283,15 @@ class AccumulationScheduler:
             return plan
         from ft_accum.batch_arithmetic import apply_batch_plan
 
-        target = next_effective_batch(self.schedule, self.start, state.step, state.epoch, state.effective_batch_size,
-                                      state.last_change, measured_noise_scale)
+        target = next_effective_batch(
+            self.schedule,
+            self.start,
+            state.step,
+            state.epoch,
+            state.effective_batch_size,
+            state.last_change,
+            measured_noise_scale,
+        )
         if target != state.effective_batch_size:
             state.effective_batch_size, state.last_change = target, state.step
         if target == plan.effective:  # else: a change, or the resume of a run that changed

@@ -34,7 +34,9 @@ T = TypeVar("T")
 class TrainingArguments:
     """What every recipe shares. Recipes change a default with `parse_args(..., learning_rate=2e-4)`."""
 
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "Micro-batch per process: what fits in memory."})
+    per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "Micro-batch per process: what fits in memory."}
+    )
     per_device_eval_batch_size: int = field(default=32, metadata={"help": "Evaluation batch per process."})
     gradient_accumulation_steps: Optional[int] = field(
         default=None, metadata={"help": "Micro-batches per update. Give this or --effective_batch_size."}
@@ -116,13 +118,24 @@ class TrainingArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run Python code shipped with the model. Only for models you trust."}
     )
-    report_to: str = field(default="auto", metadata={"help": "tensorboard, none, or auto (tensorboard when installed)."})
+    report_to: str = field(
+        default="auto", metadata={"help": "tensorboard, none, or auto (tensorboard when installed)."}
+    )
 
     def __post_init__(self):
         check_accumulation_settings(self.gradient_accumulation_steps, self.effective_batch_size)
-        require_at_least(self, 1, "per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
-                         "max_train_steps", "checkpointing_steps", "save_total_limit", "max_train_samples",
-                         "max_eval_samples")
+        require_at_least(
+            self,
+            1,
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "num_train_epochs",
+            "max_train_steps",
+            "checkpointing_steps",
+            "save_total_limit",
+            "max_train_samples",
+            "max_eval_samples",
+        )
         if self.optim not in ("adamw_torch", "sgd"):
             raise ConfigError(f"--optim must be adamw_torch or sgd, got {self.optim!r}")
         if self.lr_scaling not in POLICIES:
@@ -132,17 +145,23 @@ class TrainingArguments:
 
     def batch_plan(self, num_processes: int) -> BatchPlan:
         """micro × accumulation × processes for this run (see batch_arithmetic)."""
-        return BatchPlan.from_settings(self.per_device_train_batch_size, num_processes,
-                                       self.gradient_accumulation_steps, self.effective_batch_size)
+        return BatchPlan.from_settings(
+            self.per_device_train_batch_size,
+            num_processes,
+            self.gradient_accumulation_steps,
+            self.effective_batch_size,
+        )
 
     def scaled_learning_rate(self, effective_batch_size: int) -> float:
         """--learning_rate moved from --base_batch_size to `effective_batch_size` (see lr_scaling)."""
-        return scale_learning_rate(self.learning_rate, effective_batch_size, self.base_batch_size,
-                                   self.lr_scaling, self.optim)
+        return scale_learning_rate(
+            self.learning_rate, effective_batch_size, self.base_batch_size, self.lr_scaling, self.optim
+        )
 
 
-def parse_args(task_class: type[T], argv: list[str] | None = None, description: str | None = None,
-               **recipe_defaults) -> tuple[T, TrainingArguments]:
+def parse_args(
+    task_class: type[T], argv: list[str] | None = None, description: str | None = None, **recipe_defaults
+) -> tuple[T, TrainingArguments]:
     """Parse `argv` (default: sys.argv[1:]) into (task_class, TrainingArguments).
 
     Precedence, lowest first: the dataclass defaults, `recipe_defaults`, `--config YAML`, the command line.
@@ -153,7 +172,9 @@ def parse_args(task_class: type[T], argv: list[str] | None = None, description: 
     known, _ = pre.parse_known_args(argv)
 
     # Keep the recipe docstring's line breaks (its first line is the launch command) and show defaults.
-    formatter = type("HelpFormatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})
+    formatter = type(
+        "HelpFormatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
+    )
     parser = HfArgumentParser(classes, description=description, formatter_class=formatter)
     parser.add_argument("--config", default=None, help="YAML file of defaults; command-line flags override it")
     parser.set_defaults(**recipe_defaults)

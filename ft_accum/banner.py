@@ -22,9 +22,9 @@ def format_banner(
 ) -> str:
     """A few aligned lines, e.g.
 
-        batch        8 micro × 4 accumulation × 1 process = 32 samples per update
-        learning rate 5e-05 at batch 32 → 5e-05 at batch 32 (sqrt)
-        ...
+    batch        8 micro × 4 accumulation × 1 process = 32 samples per update
+    learning rate 5e-05 at batch 32 → 5e-05 at batch 32 (sqrt)
+    ...
     """
     effective = effective_batch_size(per_device_train_batch_size, gradient_accumulation_steps, num_processes)
     rows = {
@@ -38,7 +38,9 @@ def format_banner(
         "updates": f"{num_update_steps} optimizer updates ({updates_per_epoch} per epoch, {num_train_epochs} epoch{'s' if num_train_epochs != 1 else ''})",
     }
     if mean_tokens_per_sample is not None:
-        rows["tokens per update"] = f"≈{effective * mean_tokens_per_sample:,.0f} ({mean_tokens_per_sample:.0f} non-pad tokens per {unit.rstrip('s')} on average)"
+        rows["tokens per update"] = (
+            f"≈{effective * mean_tokens_per_sample:,.0f} ({mean_tokens_per_sample:.0f} non-pad tokens per {unit.rstrip('s')} on average)"
+        )
     rows.update(extra or {})
     width = max(len(k) for k in rows)
     lines = [f"  {k.ljust(width)}  {v}" for k, v in rows.items()]

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from ft_accum.errors import ConfigError
 
 
-def check_accumulation_settings(
-    gradient_accumulation_steps: int | None, effective_batch_size: int | None
-) -> None:
+def check_accumulation_settings(gradient_accumulation_steps: int | None, effective_batch_size: int | None) -> None:
     """Reject settings that are wrong whatever the hardware: both given, or a value ≤ 0."""
     if gradient_accumulation_steps is not None and effective_batch_size is not None:
         raise ConfigError(
@@ -26,8 +24,7 @@ def check_accumulation_settings(
         )
     if gradient_accumulation_steps is not None and gradient_accumulation_steps <= 0:
         raise ConfigError(
-            f"--gradient_accumulation_steps must be ≥ 1, got {gradient_accumulation_steps}; "
-            "use 1 for no accumulation"
+            f"--gradient_accumulation_steps must be ≥ 1, got {gradient_accumulation_steps}; use 1 for no accumulation"
         )
     if effective_batch_size is not None and effective_batch_size <= 0:
         raise ConfigError(f"--effective_batch_size must be ≥ 1, got {effective_batch_size}")
@@ -46,9 +43,7 @@ def resolve_gradient_accumulation_steps(
     """
     check_accumulation_settings(gradient_accumulation_steps, effective_batch_size)
     if per_device_train_batch_size <= 0:
-        raise ConfigError(
-            f"--per_device_train_batch_size must be ≥ 1, got {per_device_train_batch_size}"
-        )
+        raise ConfigError(f"--per_device_train_batch_size must be ≥ 1, got {per_device_train_batch_size}")
     if num_processes <= 0:
         raise ConfigError(f"the number of processes must be ≥ 1, got {num_processes}")
     if effective_batch_size is None:
@@ -125,11 +120,17 @@ class BatchPlan:
         return effective_batch_size(self.micro, self.accumulation, self.processes)
 
     @classmethod
-    def from_settings(cls, per_device_train_batch_size: int, num_processes: int,
-                      gradient_accumulation_steps: int | None = None, effective_batch_size: int | None = None) -> BatchPlan:
+    def from_settings(
+        cls,
+        per_device_train_batch_size: int,
+        num_processes: int,
+        gradient_accumulation_steps: int | None = None,
+        effective_batch_size: int | None = None,
+    ) -> BatchPlan:
         """The plan for the user's settings; a non-divisible effective batch is a ConfigError with the fix."""
         accumulation = resolve_gradient_accumulation_steps(
-            per_device_train_batch_size, num_processes, gradient_accumulation_steps, effective_batch_size)
+            per_device_train_batch_size, num_processes, gradient_accumulation_steps, effective_batch_size
+        )
         return cls(per_device_train_batch_size, accumulation, num_processes)
 
     def resplit(self, effective: int) -> BatchPlan:
@@ -149,8 +150,10 @@ class BatchPlan:
 
     def describe(self, unit: str = "samples") -> str:
         """`8 micro × 4 accumulation × 1 process = 32 samples per update`."""
-        return (f"{self.micro} micro × {self.accumulation} accumulation × {self.processes} "
-                f"process{'es' if self.processes != 1 else ''} = {self.effective} {unit} per update")
+        return (
+            f"{self.micro} micro × {self.accumulation} accumulation × {self.processes} "
+            f"process{'es' if self.processes != 1 else ''} = {self.effective} {unit} per update"
+        )
 
 
 def apply_batch_plan(accelerator, plan: BatchPlan) -> BatchPlan:

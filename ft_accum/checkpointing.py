@@ -74,7 +74,11 @@ def save_checkpoint(
         raise ConfigError(
             f"could not write checkpoint {final} (the write failed: {_first_line(exc)}; {shutil.disk_usage(root).free / 2**20:.0f} MiB "
             f"free there{needed}); free disk space or lower --save_total_limit, "
-            + (f"then resume from the intact {previous} with --resume_from_checkpoint latest" if previous else "then run again (no earlier checkpoint exists)")
+            + (
+                f"then resume from the intact {previous} with --resume_from_checkpoint latest"
+                if previous
+                else "then run again (no earlier checkpoint exists)"
+            )
         ) from exc
     if accelerator.is_main_process:
         if final.exists():
@@ -103,7 +107,9 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
+    ]
     complete = []
     for _, path in sorted(found):
         if problem := checkpoint_problem(path, verify_hashes=False):
@@ -149,8 +155,7 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str, output_dir: str | os.
     path = Path(resume_from_checkpoint)
     if not path.is_dir():
         raise ConfigError(
-            f"--resume_from_checkpoint {resume_from_checkpoint} does not exist; "
-            f"pass one of: {listing}, or 'latest'"
+            f"--resume_from_checkpoint {resume_from_checkpoint} does not exist; pass one of: {listing}, or 'latest'"
         )
     if not (path / STATE_FILE).is_file():
         raise ConfigError(
@@ -158,7 +163,9 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str, output_dir: str | os.
             f"(no {STATE_FILE}); pass one of: {listing}, or 'latest'"
         )
     if problem := checkpoint_problem(path):
-        raise ConfigError(f"--resume_from_checkpoint {resume_from_checkpoint} is damaged ({problem}); pass one of: {listing}, or 'latest'")
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume_from_checkpoint} is damaged ({problem}); pass one of: {listing}, or 'latest'"
+        )
     return path
 
 
@@ -187,8 +194,15 @@ def resume_training_state(
 
 
 def run_signature(
-    model, *, effective_batch_size: int, per_device_train_batch_size: int, gradient_accumulation_steps: int,
-    num_processes: int, seed: int, optim: str, accumulation_schedule: str | None = None,
+    model,
+    *,
+    effective_batch_size: int,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int,
+    num_processes: int,
+    seed: int,
+    optim: str,
+    accumulation_schedule: str | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it.
 
@@ -238,10 +252,14 @@ def check_resume_signature(saved: dict[str, Any] | None, current: dict[str, Any]
                 f"resume with --{key} {saved.get(key)}, or start a new --output_dir"
             )
     if (saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"]) != (
-        current["per_device_train_batch_size"], current["gradient_accumulation_steps"]):
+        current["per_device_train_batch_size"],
+        current["gradient_accumulation_steps"],
+    ):
         was = f"{saved['per_device_train_batch_size']} × {saved['gradient_accumulation_steps']}"
-        return [f"the checkpoint split the same effective batch as {was}; the updates stay the same up to "
-                "float summation order, so the run is equivalent but not bit-identical"]
+        return [
+            f"the checkpoint split the same effective batch as {was}; the updates stay the same up to "
+            "float summation order, so the run is equivalent but not bit-identical"
+        ]
     return []
 
 
@@ -249,10 +267,14 @@ def check_finite_parameters(model, what: str) -> None:
     """Refuse to save NaN or infinite weights: a checkpoint must be worth resuming from."""
     bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
     if bad is not None:
-        raise ConfigError(f"parameter {bad} is not finite, so {what} was not saved; lower --learning_rate and resume from the last checkpoint")
+        raise ConfigError(
+            f"parameter {bad} is not finite, so {what} was not saved; lower --learning_rate and resume from the last checkpoint"
+        )
 
 
-def batches_to_skip(completed_updates: int, epoch: int, updates_per_epoch: int, gradient_accumulation_steps: int) -> int:
+def batches_to_skip(
+    completed_updates: int, epoch: int, updates_per_epoch: int, gradient_accumulation_steps: int
+) -> int:
     """Batches of `epoch` (per process) that a run resumed after `completed_updates` has already seen.
 
     Checkpoints are taken at sync steps, so the resumed epoch has consumed (completed % per_epoch)

@@ -1,8 +1,8 @@
 """`ft-accum`: command-line tools that sit beside the recipes.
 
-    ft-accum plan --model gpt2-124m --task causal_lm --seq_len 512 --effective_batch_size 64 --gpu_memory 12GiB
-    ft-accum sweep recipes/configs/sweep_text_classification.yaml [--dry-run] [--time_budget 8h]
-    ft-accum report outputs/sweeps/text_classification [--out DIR]
+ft-accum plan --model gpt2-124m --task causal_lm --seq_len 512 --effective_batch_size 64 --gpu_memory 12GiB
+ft-accum sweep recipes/configs/sweep_text_classification.yaml [--dry-run] [--time_budget 8h]
+ft-accum report outputs/sweeps/text_classification [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,9 +20,16 @@ def plan_command(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     result = memory_planner.plan(
-        args.config or args.model, task=args.task, seq_len=args.seq_len, effective_batch_size=args.effective_batch_size,
-        gpu_memory_gib=memory_planner.parse_memory(args.gpu_memory), num_processes=args.num_processes, precision=args.precision,
-        optimizer=args.optimizer, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules,
+        args.config or args.model,
+        task=args.task,
+        seq_len=args.seq_len,
+        effective_batch_size=args.effective_batch_size,
+        gpu_memory_gib=memory_planner.parse_memory(args.gpu_memory),
+        num_processes=args.num_processes,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        lora_r=args.lora_r,
+        lora_target_modules=args.lora_target_modules,
     )
     result["seconds"] = round(time.perf_counter() - started, 1)
     if args.json:
@@ -50,7 +57,8 @@ def format_plan(result: dict) -> str:
     """The candidates as an aligned table, the recommendation last."""
     lines = [
         f"{result['model']} · {result['task']} · {result['seq_len']} tokens · effective batch {result['effective_batch_size']} "
-        f"· {result['precision']} · {result['optimizer']}" + (f" · LoRA r={result['lora_r']}" if result["lora_r"] else "")
+        f"· {result['precision']} · {result['optimizer']}"
+        + (f" · LoRA r={result['lora_r']}" if result["lora_r"] else "")
         + f" · card {result['gpu_memory_gib']:g} GiB (fits: {result['margin']})",
         "",
         f"{'micro':>5} {'accum':>5} {'ckpt':>4} {'peak GiB':>9} {'weights+opt':>11} {'fits':>4} {'rel. speed':>10}",
@@ -66,28 +74,43 @@ def format_plan(result: dict) -> str:
     if best:
         lines.append(
             f"recommended: --per_device_train_batch_size {best['per_device_train_batch_size']} --gradient_accumulation_steps "
-            f"{best['gradient_accumulation_steps']}" + (" --gradient_checkpointing" if best["gradient_checkpointing"] else "")
+            f"{best['gradient_accumulation_steps']}"
+            + (" --gradient_checkpointing" if best["gradient_checkpointing"] else "")
             + f"  (predicted peak {best['peak_gib']:.2f} GiB)"
         )
     else:
-        lines.append("nothing fits: try --precision bf16, --lora_r 16, --optimizer adamw_8bit, a shorter --seq_len, or a smaller model")
-    lines.append(f"(a prediction from a traced step on fake tensors, in {result['seconds']} s; see ft_accum/memory_planner.py for its limits)")
+        lines.append(
+            "nothing fits: try --precision bf16, --lora_r 16, --optimizer adamw_8bit, a shorter --seq_len, or a smaller model"
+        )
+    lines.append(
+        f"(a prediction from a traced step on fake tensors, in {result['seconds']} s; see ft_accum/memory_planner.py for its limits)"
+    )
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ft_accum import memory_planner
 
-    parser = argparse.ArgumentParser(prog="ft-accum", description="Tools for exact gradient accumulation on one small GPU.")
+    parser = argparse.ArgumentParser(
+        prog="ft-accum", description="Tools for exact gradient accumulation on one small GPU."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser(
-        "plan", help="predict peak GPU memory and pick micro-batch × accumulation × checkpointing",
+        "plan",
+        help="predict peak GPU memory and pick micro-batch × accumulation × checkpointing",
         description="Trace one training step on fake tensors (no GPU, no weights, no download) and list every exact split of "
-                    "the effective batch with its predicted peak memory. Shipped configs: " + ", ".join(memory_planner.shipped_config_names()),
+        "the effective batch with its predicted peak memory. Shipped configs: "
+        + ", ".join(memory_planner.shipped_config_names()),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    plan.add_argument("--model", default="gpt2-124m", help="a shipped config name, a local folder or config.json, or a hub name (online)")
-    plan.add_argument("--config", default=None, help="path to a config.json (overrides --model); the offline way for any model")
+    plan.add_argument(
+        "--model",
+        default="gpt2-124m",
+        help="a shipped config name, a local folder or config.json, or a hub name (online)",
+    )
+    plan.add_argument(
+        "--config", default=None, help="path to a config.json (overrides --model); the offline way for any model"
+    )
     plan.add_argument("--task", default="causal_lm", choices=memory_planner.TASKS)
     plan.add_argument("--seq_len", type=int, default=512, help="tokens per sample (padded length)")
     plan.add_argument("--effective_batch_size", type=int, default=64, help="samples per optimizer update")
@@ -103,20 +126,38 @@ def build_parser() -> argparse.ArgumentParser:
     from ft_accum import sweep
 
     sweep_parser = commands.add_parser(
-        "sweep", help="run a grid or list of recipe runs one after another; rerun to resume",
-        description=sweep.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "sweep",
+        help="run a grid or list of recipe runs one after another; rerun to resume",
+        description=sweep.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sweep_parser.add_argument("sweep_file", help="the sweep YAML")
-    sweep_parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="print the runs and their status; run nothing")
-    sweep_parser.add_argument("--time_budget", default=None, help="e.g. 8h: start no run that would not finish in the time left (estimated from finished runs)")
+    sweep_parser.add_argument(
+        "--dry-run",
+        "--dry_run",
+        dest="dry_run",
+        action="store_true",
+        help="print the runs and their status; run nothing",
+    )
+    sweep_parser.add_argument(
+        "--time_budget",
+        default=None,
+        help="e.g. 8h: start no run that would not finish in the time left (estimated from finished runs)",
+    )
     sweep_parser.set_defaults(handler=sweep_command)
 
     from ft_accum import report
 
-    report_parser = commands.add_parser("report", help="plot and tabulate one or more runs (or a sweep) side by side",
-                                        description=report.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    report_parser = commands.add_parser(
+        "report",
+        help="plot and tabulate one or more runs (or a sweep) side by side",
+        description=report.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     report_parser.add_argument("output_dirs", nargs="+", help="run output_dirs, or a sweep's output_dir")
-    report_parser.add_argument("--out", default=None, help="where report.md and the PNGs go (default: <run>/report or <sweep>/report)")
+    report_parser.add_argument(
+        "--out", default=None, help="where report.md and the PNGs go (default: <run>/report or <sweep>/report)"
+    )
     report_parser.set_defaults(handler=report_command)
     return parser
 

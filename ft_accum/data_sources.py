@@ -15,7 +15,13 @@ import torch
 
 from ft_accum.errors import ConfigError
 
-_BUILDERS = {".txt": ("text", {}), ".csv": ("csv", {}), ".tsv": ("csv", {"delimiter": "\t"}), ".json": ("json", {}), ".jsonl": ("json", {})}
+_BUILDERS = {
+    ".txt": ("text", {}),
+    ".csv": ("csv", {}),
+    ".tsv": ("csv", {"delimiter": "\t"}),
+    ".json": ("json", {}),
+    ".jsonl": ("json", {}),
+}
 
 
 def load_local_files(train_file: str, validation_file: str | None = None) -> datasets.DatasetDict:
@@ -28,7 +34,9 @@ def load_local_files(train_file: str, validation_file: str | None = None) -> dat
             raise ConfigError(f"--{split}_file {file} does not exist; check the path (relative to {Path.cwd()})")
     suffix = Path(train_file).suffix.lower()
     if suffix not in _BUILDERS:
-        raise ConfigError(f"--train_file {train_file}: unsupported extension {suffix!r}; use one of {', '.join(_BUILDERS)}")
+        raise ConfigError(
+            f"--train_file {train_file}: unsupported extension {suffix!r}; use one of {', '.join(_BUILDERS)}"
+        )
     builder, kwargs = _BUILDERS[suffix]
     header_lines = 1 if builder == "csv" else 0
     for split, file in files.items():
@@ -36,11 +44,15 @@ def load_local_files(train_file: str, validation_file: str | None = None) -> dat
             raise ConfigError(f"--{split}_file {file} is empty (no data rows); give a file with at least one row")
     for split, file in files.items():
         if not os.access(file, os.R_OK):
-            raise ConfigError(f"--{split}_file {file} is not readable (permission denied); fix its permissions or copy it")
+            raise ConfigError(
+                f"--{split}_file {file} is not readable (permission denied); fix its permissions or copy it"
+            )
     try:
         return datasets.load_dataset(builder, data_files=files, **kwargs)
     except Exception as exc:  # the builders raise many types, all with long tracebacks
-        raise ConfigError(f"could not read {' and '.join(map(str, files.values()))} as {suffix[1:]}: {_read_error_hint(exc, builder)}") from exc
+        raise ConfigError(
+            f"could not read {' and '.join(map(str, files.values()))} as {suffix[1:]}: {_read_error_hint(exc, builder)}"
+        ) from exc
 
 
 def _read_error_hint(exc: BaseException, builder: str) -> str:
@@ -51,8 +63,10 @@ def _read_error_hint(exc: BaseException, builder: str) -> str:
     reason = lines[0] if lines else type(exc).__name__
     if isinstance(exc, UnicodeDecodeError) or "utf8" in reason.lower().replace("-", ""):
         return f"{reason}; the file is not UTF-8: re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-    fix = {"json": "each line must be one JSON object, and a column must hold one type (all strings or all numbers)",
-           "csv": "check the quoting (a field with a comma or line break must be in double quotes) and the column count"}
+    fix = {
+        "json": "each line must be one JSON object, and a column must hold one type (all strings or all numbers)",
+        "csv": "check the quoting (a field with a comma or line break must be in double quotes) and the column count",
+    }
     return f"{reason}; {fix.get(builder, 'check the file format')}"
 
 
@@ -69,10 +83,16 @@ def check_text_column(raw: datasets.DatasetDict, text_column: str) -> None:
 
 def drop_empty_rows(raw: datasets.DatasetDict, *columns: str) -> datasets.DatasetDict:
     """Drop rows whose `columns` are missing or blank (an empty CSV cell reads as None), then check none is left empty."""
+
     def keep(row):
         return all(row[c] is not None and str(row[c]).strip() != "" for c in columns)
 
-    filtered = datasets.DatasetDict({split: ds.filter(keep, desc=f"Dropping rows with an empty {' or '.join(columns)}") for split, ds in raw.items()})
+    filtered = datasets.DatasetDict(
+        {
+            split: ds.filter(keep, desc=f"Dropping rows with an empty {' or '.join(columns)}")
+            for split, ds in raw.items()
+        }
+    )
     for split, ds in filtered.items():
         if len(ds) == 0:
             raise ConfigError(
@@ -90,7 +110,9 @@ def label_names(raw: datasets.DatasetDict, label_column: str) -> list[str]:
     never shows is an error, since the classifier has no output for it.
     """
     kinds = {split: ds.features[label_column] for split, ds in raw.items()}
-    if hasattr(kinds["train"], "names"):  # ClassLabel: every split shares the names; a class may still lack training rows
+    if hasattr(
+        kinds["train"], "names"
+    ):  # ClassLabel: every split shares the names; a class may still lack training rows
         names = list(kinds["train"].names)
         _check_seen_in_train({split: {names[i] for i in set(ds[label_column])} for split, ds in raw.items()}, "label")
         return names
@@ -178,8 +200,13 @@ def take_first_rows(raw, **limits: int | None):
     return raw
 
 
-def seeded_dataloaders(tokenized: datasets.DatasetDict, collate_fn, per_device_train_batch_size: int, per_device_eval_batch_size: int,
-                       seed: int):
+def seeded_dataloaders(
+    tokenized: datasets.DatasetDict,
+    collate_fn,
+    per_device_train_batch_size: int,
+    per_device_eval_batch_size: int,
+    seed: int,
+):
     """(train, eval) DataLoaders, shuffled train, each with a torch.Generator of its own.
 
     Starting an iterator draws a base seed from the loader's generator, or else from the global
@@ -188,8 +215,12 @@ def seeded_dataloaders(tokenized: datasets.DatasetDict, collate_fn, per_device_t
     """
     from torch.utils.data import DataLoader
 
-    evaluation = DataLoader(tokenized["validation"], collate_fn=collate_fn, batch_size=per_device_eval_batch_size,
-                            generator=torch.Generator().manual_seed(seed))
+    evaluation = DataLoader(
+        tokenized["validation"],
+        collate_fn=collate_fn,
+        batch_size=per_device_eval_batch_size,
+        generator=torch.Generator().manual_seed(seed),
+    )
     return seeded_train_dataloader(tokenized["train"], collate_fn, per_device_train_batch_size, seed), evaluation
 
 
@@ -197,7 +228,13 @@ def seeded_train_dataloader(dataset, collate_fn, batch_size: int, seed: int):
     """The shuffled training DataLoader with a generator of its own (see `seeded_dataloaders`)."""
     from torch.utils.data import DataLoader
 
-    return DataLoader(dataset, shuffle=True, collate_fn=collate_fn, batch_size=batch_size, generator=torch.Generator().manual_seed(seed))
+    return DataLoader(
+        dataset,
+        shuffle=True,
+        collate_fn=collate_fn,
+        batch_size=batch_size,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def load_image_folder(train_dir: str, validation_dir: str | None = None) -> datasets.DatasetDict:
@@ -205,19 +242,27 @@ def load_image_folder(train_dir: str, validation_dir: str | None = None) -> data
     folders = {"train": train_dir} | ({"validation": validation_dir} if validation_dir else {})
     for split, folder in folders.items():
         if not Path(folder).is_dir():
-            raise ConfigError(f"--{split}_dir {folder} is not a folder; pass a folder with one sub-folder of images per class")
+            raise ConfigError(
+                f"--{split}_dir {folder} is not a folder; pass a folder with one sub-folder of images per class"
+            )
     try:
-        return datasets.load_dataset("imagefolder", data_files={split: str(Path(folder) / "**") for split, folder in folders.items()})
+        return datasets.load_dataset(
+            "imagefolder", data_files={split: str(Path(folder) / "**") for split, folder in folders.items()}
+        )
     except Exception as exc:  # the builder raises many types, all with long tracebacks
-        raise ConfigError(f"could not read {' and '.join(folders.values())} as image folders: {str(exc).strip().splitlines()[0]} "
-                          "(expected one sub-folder of images per class)") from exc
+        raise ConfigError(
+            f"could not read {' and '.join(folders.values())} as image folders: {str(exc).strip().splitlines()[0]} "
+            "(expected one sub-folder of images per class)"
+        ) from exc
 
 
 def find_tags_column(ds: datasets.Dataset) -> str:
     """The one column named `*_tags` (CoNLL style: ner_tags, pos_tags …), for a --label_column left unset."""
     found = [c for c in ds.column_names if c.endswith("_tags")]
     if len(found) != 1:
-        raise ConfigError(f"cannot tell the tag column from {', '.join(ds.column_names)} ({len(found)} end in _tags); pass --label_column")
+        raise ConfigError(
+            f"cannot tell the tag column from {', '.join(ds.column_names)} ({len(found)} end in _tags); pass --label_column"
+        )
     return found[0]
 
 
@@ -230,9 +275,15 @@ def tag_names(raw: datasets.DatasetDict, tokens_column: str, label_column: str) 
     for split, ds in raw.items():
         for i, (words, tags) in enumerate(zip(ds[tokens_column], ds[label_column])):
             if not isinstance(words, list) or not isinstance(tags, list) or len(words) != len(tags):
-                kind = f"{len(words)} words and {len(tags)} tags" if isinstance(words, list) and isinstance(tags, list) else "no lists"
-                raise ConfigError(f"row {i} of the {split} split has {kind} in --tokens_column {tokens_column!r} / --label_column "
-                                  f"{label_column!r}; each row needs a list of words and a list of as many tags")
+                kind = (
+                    f"{len(words)} words and {len(tags)} tags"
+                    if isinstance(words, list) and isinstance(tags, list)
+                    else "no lists"
+                )
+                raise ConfigError(
+                    f"row {i} of the {split} split has {kind} in --tokens_column {tokens_column!r} / --label_column "
+                    f"{label_column!r}; each row needs a list of words and a list of as many tags"
+                )
     feature = raw["train"].features[label_column]
     inner = getattr(feature, "feature", None)
     if inner is None and isinstance(feature, list) and feature:  # datasets ≥ 3 writes plain lists as [Value]

@@ -40,8 +40,12 @@ class GracefulStop:
             os.kill(os.getpid(), signum)
             return
         self.signal = signum
-        print(f"\n{signal.Signals(signum).name}: finishing the current update, then saving a checkpoint "
-              "(send it again to stop at once)", file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(signum).name}: finishing the current update, then saving a checkpoint "
+            "(send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def requested(self, accelerator) -> bool:
         """Whether any process has been signalled; every process gets the same answer."""
@@ -53,7 +57,9 @@ class GracefulStop:
     def exit(self, accelerator, checkpoint) -> None:
         """Print the resume command and leave with 128 + the signal's number."""
         signum = self.signal or signal.SIGTERM
-        accelerator.print(f"stopped by {signal.Signals(signum).name}; saved {checkpoint}. Resume with:\n  {resume_command()}")
+        accelerator.print(
+            f"stopped by {signal.Signals(signum).name}; saved {checkpoint}. Resume with:\n  {resume_command()}"
+        )
         accelerator.end_training()
         self.restore()
         raise SystemExit(128 + signum)

@@ -10,7 +10,9 @@ from ft_accum.errors import ConfigError
 def check_model_path(name: str) -> None:
     """A path-like --model_name_or_path must exist (a typo must not turn into a hub download attempt)."""
     if name.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name)):
-        raise ConfigError(f"--model_name_or_path {name} does not exist; pass a folder holding config.json, or a hub name")
+        raise ConfigError(
+            f"--model_name_or_path {name} does not exist; pass a folder holding config.json, or a hub name"
+        )
 
 
 def load_pretrained(auto_class, name: str, trust_remote_code: bool = False, **kwargs):
@@ -23,7 +25,11 @@ def load_pretrained(auto_class, name: str, trust_remote_code: bool = False, **kw
     try:
         return auto_class.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as exc:
-        hint = "pass --trust_remote_code only if you trust its code" if "trust_remote_code" in str(exc) else "pass a local folder, or go online for hub names"
+        hint = (
+            "pass --trust_remote_code only if you trust its code"
+            if "trust_remote_code" in str(exc)
+            else "pass a local folder, or go online for hub names"
+        )
         raise ConfigError(f"could not load model {name!r}: {str(exc).strip().splitlines()[0]} ({hint})") from exc
 
 
@@ -31,7 +37,9 @@ def check_context_length(config, length: int, flag: str) -> None:
     """Refuse sequences longer than the position embeddings of the model `config` describes (they would index past them)."""
     context = getattr(config, "max_position_embeddings", None)
     if context and length > context:
-        raise ConfigError(f"{flag} {length} is longer than the model's {context} positions; use {flag} {context} or less")
+        raise ConfigError(
+            f"{flag} {length} is longer than the model's {context} positions; use {flag} {context} or less"
+        )
 
 
 def warm_start_encoder_decoder(name: str, tokenizer):
@@ -49,7 +57,9 @@ def warm_start_encoder_decoder(name: str, tokenizer):
     end = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
     model.config.update({"decoder_start_token_id": start, "eos_token_id": end, "pad_token_id": tokenizer.pad_token_id})
     # No repeated trigrams: an undertrained warm start otherwise loops ("- 1 - 1 - 1"); the HF bert2bert recipe does the same.
-    model.generation_config.update(decoder_start_token_id=start, eos_token_id=end, pad_token_id=tokenizer.pad_token_id, no_repeat_ngram_size=3)
+    model.generation_config.update(
+        decoder_start_token_id=start, eos_token_id=end, pad_token_id=tokenizer.pad_token_id, no_repeat_ngram_size=3
+    )
     return freeze_encoder_pooler(model)
 
 

@@ -10,7 +10,9 @@ def import_peft():
     try:
         import peft
     except ImportError:
-        raise ConfigError('--use_lora needs peft, which is not installed; pip install -e ".[lm]" (or pip install peft)') from None
+        raise ConfigError(
+            '--use_lora needs peft, which is not installed; pip install -e ".[lm]" (or pip install peft)'
+        ) from None
     return peft
 
 

@@ -63,7 +63,9 @@ def scale_gradients_(parameters: Iterable[torch.nn.Parameter], factor: float) ->
         torch._foreach_mul_(grads, factor)
 
 
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_lm_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token loss and the number of target tokens, counted **after** the causal shift.
 
     Position t predicts token t+1, so the targets are `labels[:, 1:]`: a row of L labels has at
@@ -78,7 +80,10 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
     # full size again in backward. transformers' ForCausalLMLoss does the same.
     shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[:, 1:]
     loss_sum = torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), shift_labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
+        logits.float().reshape(-1, logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="sum",
     )
     return loss_sum, (shift_labels != ignore_index).sum()
 
@@ -95,8 +100,11 @@ def check_finite_window(
     if math.isfinite(window_loss):
         return
     bad = [i + 1 for i, value in enumerate(micro_batch_losses) if not math.isfinite(value)]
-    where = (f"micro-batch {bad[0]} of {len(micro_batch_losses)} on process {process_index}" if bad
-             else f"a micro-batch of another process (process {process_index}'s {len(micro_batch_losses)} were finite)")
+    where = (
+        f"micro-batch {bad[0]} of {len(micro_batch_losses)} on process {process_index}"
+        if bad
+        else f"a micro-batch of another process (process {process_index}'s {len(micro_batch_losses)} were finite)"
+    )
     raise ConfigError(
         f"the training loss became {window_loss} at update {update}, {where}; the weights were not updated and "
         f"nothing was saved after {last_checkpoint or 'the start (no checkpoint yet)'}. "
@@ -163,9 +171,16 @@ class AccumulationWindow:
         `state` (a TrainingState) names the update and the last checkpoint in the error."""
         loss_total, items, samples, tokens = accelerator.reduce(self.sums, reduction="sum").tolist()
         if accelerator.mixed_precision != "fp16":
-            check_finite_window(loss_total, torch.stack(self.micro_losses).tolist(), state.step + 1,
-                                accelerator.process_index, state.last_checkpoint)
-        scale_gradients_(model.parameters(), window_gradient_scale(items, nominal_items, plan.accumulation, plan.processes))
+            check_finite_window(
+                loss_total,
+                torch.stack(self.micro_losses).tolist(),
+                state.step + 1,
+                accelerator.process_index,
+                state.last_checkpoint,
+            )
+        scale_gradients_(
+            model.parameters(), window_gradient_scale(items, nominal_items, plan.accumulation, plan.processes)
+        )
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
         totals = WindowTotals(loss_total / items, items, samples, tokens, float(grad_norm), len(self.micro_losses))
         self.sums.zero_()

@@ -31,9 +31,7 @@ def resolve_lr_policy(policy: str, optim: str) -> str:
         return "sqrt"
     if "sgd" in name:
         return "linear"
-    raise ConfigError(
-        f"--lr_scaling auto does not know optimizer {optim!r}; choose --lr_scaling linear or sqrt"
-    )
+    raise ConfigError(f"--lr_scaling auto does not know optimizer {optim!r}; choose --lr_scaling linear or sqrt")
 
 
 def scale_learning_rate(

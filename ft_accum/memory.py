@@ -71,8 +71,11 @@ class OutOfMemoryRetry:
         free_memory(accelerator.device)
         smaller = apply_batch_plan(accelerator, plan.shrunk())
         dataloader = accelerator.prepare(
-            seeded_train_dataloader(train_dataloader.dataset, train_dataloader.collate_fn, smaller.micro, self.seed))
+            seeded_train_dataloader(train_dataloader.dataset, train_dataloader.collate_fn, smaller.micro, self.seed)
+        )
         self._retrying = True
-        accelerator.print(f"out of memory at micro-batch {plan.micro}: now {smaller.describe()}, the same effective batch; "
-                          "retrying the update")
+        accelerator.print(
+            f"out of memory at micro-batch {plan.micro}: now {smaller.describe()}, the same effective batch; "
+            "retrying the update"
+        )
         return dataloader, smaller

@@ -29,10 +29,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from unittest import mock
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -152,13 +152,19 @@ def _build_model(config, task: str, dtype: torch.dtype = torch.float32):
         AutoModelForTokenClassification,
     )
 
-    auto = {"causal_lm": AutoModelForCausalLM, "text_classification": AutoModelForSequenceClassification,
-            "token_classification": AutoModelForTokenClassification, "seq2seq": AutoModelForSeq2SeqLM}[task]
+    auto = {
+        "causal_lm": AutoModelForCausalLM,
+        "text_classification": AutoModelForSequenceClassification,
+        "token_classification": AutoModelForTokenClassification,
+        "seq2seq": AutoModelForSeq2SeqLM,
+    }[task]
     try:
         # Built in its final dtype: Module.to() cannot convert fake parameters (torch swaps them).
         return auto.from_config(config, dtype=dtype)
     except ValueError as exc:
-        raise ConfigError(f"a {config.model_type} model has no {task} head; pick another --task (one of {', '.join(TASKS)})") from exc
+        raise ConfigError(
+            f"a {config.model_type} model has no {task} head; pick another --task (one of {', '.join(TASKS)})"
+        ) from exc
 
 
 def _batch(config, task: str, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -194,9 +200,18 @@ def trace_phases(config, *, micro_batch_size: int, **settings) -> tuple[MemoryEs
 
 
 def trace_micro_batches(
-    config, micro_batch_sizes: list[int], *, task: str, seq_len: int, precision: str = "fp32", optimizer: str = "adamw",
-    lora_r: int | None = None, lora_target_modules: str = "all-linear", gradient_checkpointing: bool = False,
-    real_tensors: bool = False, accounting: dict | None = None,
+    config,
+    micro_batch_sizes: list[int],
+    *,
+    task: str,
+    seq_len: int,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    lora_r: int | None = None,
+    lora_target_modules: str = "all-linear",
+    gradient_checkpointing: bool = False,
+    real_tensors: bool = False,
+    accounting: dict | None = None,
 ) -> dict[int, tuple[MemoryEstimate, MemoryEstimate]]:
     """One model, one steady-state step per micro-batch size: {m: (forward+backward peak, optimizer-step peak)}.
 
@@ -225,7 +240,12 @@ def trace_micro_batches(
             # fake parameters refuse (torch swaps them, and the fake mode holds weakrefs to them).
             # The adapters are created on that same (fake) device, in fp32 as peft keeps them.
             with mock.patch.object(torch.nn.Module, "to", lambda module, *args, **kwargs: module):
-                model = peft.get_peft_model(model, peft.LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules=parse_target_modules(lora_target_modules)))
+                model = peft.get_peft_model(
+                    model,
+                    peft.LoraConfig(
+                        r=lora_r, lora_alpha=2 * lora_r, target_modules=parse_target_modules(lora_target_modules)
+                    ),
+                )
             if gradient_checkpointing:
                 model.enable_input_require_grads()
         model.train()
@@ -235,8 +255,11 @@ def trace_micro_batches(
             p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        autocast = (torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
-                    if precision.endswith("-mixed") else contextlib.nullcontext())
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
+            if precision.endswith("-mixed")
+            else contextlib.nullcontext()
+        )
         extra_state = 0.0
         if optimizer == "adamw_8bit":  # two 1-byte states per parameter, plus an fp32 scale per 256-element block
             extra_state = sum(p.numel() * (2 + 8 / 256) for p in trainable)
@@ -257,27 +280,54 @@ def trace_micro_batches(
                 loss.float().backward()
                 del loss
                 if accounting is not None:
-                    accounting.update(live=tracker.live, parameters=parameter_bytes, optimizer_state=state_bytes,
-                                      gradients=sum(p.grad.untyped_storage().nbytes() for p in trainable if p.grad is not None))
+                    accounting.update(
+                        live=tracker.live,
+                        parameters=parameter_bytes,
+                        optimizer_state=state_bytes,
+                        gradients=sum(p.grad.untyped_storage().nbytes() for p in trainable if p.grad is not None),
+                    )
                 backward_peak, backward_static = tracker.peak, tracker.static_at_peak
                 tracker.peak = 0  # the next allocation starts the optimizer step's own peak
                 opt.step()
-                step_peak, step_static = (tracker.peak, tracker.static_at_peak) if tracker.peak else (tracker.live, tracker.static)
+                step_peak, step_static = (
+                    (tracker.peak, tracker.static_at_peak) if tracker.peak else (tracker.live, tracker.static)
+                )
                 opt.zero_grad(set_to_none=True)
             results[micro_batch_size] = tuple(
-                MemoryEstimate(parameters=parameter_bytes, optimizer_state=static - parameter_bytes + extra_state,
-                               activations_gradients_temporaries=peak - static)
-                for peak, static in ((backward_peak, backward_static), (step_peak, step_static)))
+                MemoryEstimate(
+                    parameters=parameter_bytes,
+                    optimizer_state=static - parameter_bytes + extra_state,
+                    activations_gradients_temporaries=peak - static,
+                )
+                for peak, static in ((backward_peak, backward_static), (step_peak, step_static))
+            )
     return results
 
 
 def estimate_peak_memory(
-    model: str | Any, *, task: str = "causal_lm", micro_batch_size: int = 1, seq_len: int = 512, precision: str = "fp32",
-    optimizer: str = "adamw", lora_r: int | None = None, lora_target_modules: str = "all-linear", gradient_checkpointing: bool = False,
+    model: str | Any,
+    *,
+    task: str = "causal_lm",
+    micro_batch_size: int = 1,
+    seq_len: int = 512,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    lora_r: int | None = None,
+    lora_target_modules: str = "all-linear",
+    gradient_checkpointing: bool = False,
 ) -> MemoryEstimate:
     """The predicted peak of one training step, by category (see the module docstring for the method)."""
-    return trace_step(load_model_config(model), task=task, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision,
-                      optimizer=optimizer, lora_r=lora_r, lora_target_modules=lora_target_modules, gradient_checkpointing=gradient_checkpointing)
+    return trace_step(
+        load_model_config(model),
+        task=task,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        optimizer=optimizer,
+        lora_r=lora_r,
+        lora_target_modules=lora_target_modules,
+        gradient_checkpointing=gradient_checkpointing,
+    )
 
 
 def predict_micro_batches(config, micro_batch_sizes: list[int], **settings) -> dict[int, MemoryEstimate]:
@@ -297,7 +347,9 @@ def predict_micro_batches(config, micro_batch_sizes: list[int], **settings) -> d
         low = max(t for t in traced_sizes if t < m)
         high = min(t for t in traced_sizes if t > m)
         w = (m - low) / (high - low)
-        backward = MemoryEstimate(**{c: (1 - w) * getattr(traced[low][0], c) + w * getattr(traced[high][0], c) for c in CATEGORIES})
+        backward = MemoryEstimate(
+            **{c: (1 - w) * getattr(traced[low][0], c) + w * getattr(traced[high][0], c) for c in CATEGORIES}
+        )
         predicted[m] = max(backward, traced[low][1], key=lambda e: e.peak)
     return predicted
 
@@ -307,7 +359,9 @@ def fits(peak_bytes: float, gpu_memory_bytes: float) -> bool:
     return peak_bytes * FRAGMENTATION + CUDA_OVERHEAD_GIB * GIB <= gpu_memory_bytes
 
 
-def relative_throughput(micro_batch_size: int, seq_len: int, gradient_checkpointing: bool, saturation_tokens: int = 2048) -> float:
+def relative_throughput(
+    micro_batch_size: int, seq_len: int, gradient_checkpointing: bool, saturation_tokens: int = 2048
+) -> float:
     """A heuristic, not a measurement: larger micro-batches keep the GPU busier, with diminishing returns.
 
     Tokens per second ∝ t / (t + saturation_tokens), with t = micro × seq_len tokens per micro-batch
@@ -330,8 +384,17 @@ def candidate_micro_batches(effective_batch_size: int, num_processes: int = 1) -
 
 
 def plan(
-    model: str | Any, *, task: str, seq_len: int, effective_batch_size: int, gpu_memory_gib: float, num_processes: int = 1,
-    precision: str = "bf16-mixed", optimizer: str = "adamw", lora_r: int | None = None, lora_target_modules: str = "all-linear",
+    model: str | Any,
+    *,
+    task: str,
+    seq_len: int,
+    effective_batch_size: int,
+    gpu_memory_gib: float,
+    num_processes: int = 1,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    lora_r: int | None = None,
+    lora_target_modules: str = "all-linear",
 ) -> dict[str, Any]:
     """Every exact split of the effective batch, with and without checkpointing: predicted peak, fit, speed.
 
@@ -339,12 +402,23 @@ def plan(
     """
     config = load_model_config(model)
     micros = candidate_micro_batches(effective_batch_size, num_processes)
-    settings = {"task": task, "seq_len": seq_len, "precision": precision, "optimizer": optimizer, "lora_r": lora_r, "lora_target_modules": lora_target_modules}
+    settings = {
+        "task": task,
+        "seq_len": seq_len,
+        "precision": precision,
+        "optimizer": optimizer,
+        "lora_r": lora_r,
+        "lora_target_modules": lora_target_modules,
+    }
     smallest = trace_step(config, micro_batch_size=micros[0], **settings)
     static = smallest.parameters + smallest.optimizer_state
     if not fits(static, gpu_memory_gib * GIB):
-        options = [*(["--lora_r 16"] if not lora_r else []), *(["--optimizer adamw_8bit or sgd"] if optimizer == "adamw" else []),
-                   *(["--precision bf16 (weights in bf16)"] if precision != "bf16" else []), "a smaller model"]
+        options = [
+            *(["--lora_r 16"] if not lora_r else []),
+            *(["--optimizer adamw_8bit or sgd"] if optimizer == "adamw" else []),
+            *(["--precision bf16 (weights in bf16)"] if precision != "bf16" else []),
+            "a smaller model",
+        ]
         raise ConfigError(
             f"the weights and optimizer state alone need {static / GIB:.1f} GiB, more than a {gpu_memory_gib:g} GiB card holds "
             f"with its margin ({FRAGMENTATION}× + {CUDA_OVERHEAD_GIB} GiB); try {', '.join(options)} "
@@ -355,19 +429,38 @@ def plan(
         predicted = predict_micro_batches(config, micros, gradient_checkpointing=checkpointing, **settings)
         for micro in micros:
             estimate = predicted[micro]
-            rows.append({
-                "per_device_train_batch_size": micro, "gradient_accumulation_steps": effective_batch_size // (micro * num_processes),
-                "gradient_checkpointing": checkpointing, "peak_gib": estimate.peak / GIB, "fits": fits(estimate.peak, gpu_memory_gib * GIB),
-                "relative_throughput": relative_throughput(micro, seq_len, checkpointing), "breakdown_gib": estimate.as_gib(),
-            })
+            rows.append(
+                {
+                    "per_device_train_batch_size": micro,
+                    "gradient_accumulation_steps": effective_batch_size // (micro * num_processes),
+                    "gradient_checkpointing": checkpointing,
+                    "peak_gib": estimate.peak / GIB,
+                    "fits": fits(estimate.peak, gpu_memory_gib * GIB),
+                    "relative_throughput": relative_throughput(micro, seq_len, checkpointing),
+                    "breakdown_gib": estimate.as_gib(),
+                }
+            )
     fitting = [r for r in rows if r["fits"]]
-    best = max(fitting, key=lambda r: (r["relative_throughput"], r["per_device_train_batch_size"])) if fitting else None
+    best = (
+        max(fitting, key=lambda r: (r["relative_throughput"], r["per_device_train_batch_size"])) if fitting else None
+    )
     top = max(r["relative_throughput"] for r in rows)
     for r in rows:
         r["relative_throughput"] = r["relative_throughput"] / top
-    return {"model": getattr(config, "name_or_path", "") or str(model), "task": task, "seq_len": seq_len, "effective_batch_size": effective_batch_size,
-            "num_processes": num_processes, "precision": precision, "optimizer": optimizer, "lora_r": lora_r, "gpu_memory_gib": gpu_memory_gib,
-            "margin": f"peak × {FRAGMENTATION} + {CUDA_OVERHEAD_GIB} GiB ≤ card", "candidates": rows, "recommended": best}
+    return {
+        "model": getattr(config, "name_or_path", "") or str(model),
+        "task": task,
+        "seq_len": seq_len,
+        "effective_batch_size": effective_batch_size,
+        "num_processes": num_processes,
+        "precision": precision,
+        "optimizer": optimizer,
+        "lora_r": lora_r,
+        "gpu_memory_gib": gpu_memory_gib,
+        "margin": f"peak × {FRAGMENTATION} + {CUDA_OVERHEAD_GIB} GiB ≤ card",
+        "candidates": rows,
+        "recommended": best,
+    }
 
 
 def parse_memory(text: str) -> float:

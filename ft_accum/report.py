@@ -34,7 +34,9 @@ def find_runs(paths: list[str]) -> list[Path]:
         elif path.is_dir() and (found := sorted(p.parent for p in path.glob("*/metrics.jsonl"))):
             runs.extend(found)
         else:
-            raise ConfigError(f"{path} holds no metrics.jsonl (nor do its subfolders); pass a run's --output_dir or a sweep's output_dir")
+            raise ConfigError(
+                f"{path} holds no metrics.jsonl (nor do its subfolders); pass a run's --output_dir or a sweep's output_dir"
+            )
     return runs
 
 
@@ -77,20 +79,46 @@ def make_report(paths: list[str], out_dir: str | None = None) -> Path:
             else:
                 y_key = key
                 ax.set_ylabel(ylabel)
-            points = [(a, r[y_key]) for a, r in zip(x, records) if r.get(y_key) is not None and r[y_key] == r[y_key] and r[y_key] != float("inf")]
+            points = [
+                (a, r[y_key])
+                for a, r in zip(x, records)
+                if r.get(y_key) is not None and r[y_key] == r[y_key] and r[y_key] != float("inf")
+            ]
             if key == "noise_scale" and not points and any(r.get(y_key) == float("inf") for r in records):
                 # Every estimate infinite: |G|² was never measured positive (noise dominates). Say so, not an empty plot.
-                ax.text(0.5, 0.5, f"{run['name']}: noise scale not measurable yet (|G|² ≤ 0 at every update)",
-                        transform=ax.transAxes, ha="center", fontsize=8)
+                ax.text(
+                    0.5,
+                    0.5,
+                    f"{run['name']}: noise scale not measurable yet (|G|² ≤ 0 at every update)",
+                    transform=ax.transAxes,
+                    ha="center",
+                    fontsize=8,
+                )
             if points:
                 # Markers: the noise scale may be finite at only a few updates (inf elsewhere is left out).
-                line, = ax.plot(*zip(*points), label=run["name"], linewidth=1.4, marker="." if key == "noise_scale" else None)
+                (line,) = ax.plot(
+                    *zip(*points), label=run["name"], linewidth=1.4, marker="." if key == "noise_scale" else None
+                )
                 batches = [(a, r["noise_scale_batch"]) for a, r in zip(x, records) if r.get("noise_scale_batch")]
-                if key == "noise_scale" and batches:  # the batch per update, in the noise scale's unit (samples or tokens)
-                    ax.step(*zip(*batches), where="post", color=line.get_color(), linestyle="--", linewidth=1, label=f"{run['name']}: batch")
+                if (
+                    key == "noise_scale" and batches
+                ):  # the batch per update, in the noise scale's unit (samples or tokens)
+                    ax.step(
+                        *zip(*batches),
+                        where="post",
+                        color=line.get_color(),
+                        linestyle="--",
+                        linewidth=1,
+                        label=f"{run['name']}: batch",
+                    )
                 elif key == "noise_scale" and run["results"].get("effective_batch_size"):
-                    ax.axhline(run["results"]["effective_batch_size"], color=line.get_color(), linestyle="--", linewidth=1,
-                               label=f"{run['name']}: effective batch")
+                    ax.axhline(
+                        run["results"]["effective_batch_size"],
+                        color=line.get_color(),
+                        linestyle="--",
+                        linewidth=1,
+                        label=f"{run['name']}: effective batch",
+                    )
         if log:
             ax.set_yscale("log")
         ax.set_title(title)
@@ -107,7 +135,17 @@ def make_report(paths: list[str], out_dir: str | None = None) -> Path:
 
 def _markdown(runs: list[dict], plots: list[tuple[str, str]]) -> str:
     eval_keys = sorted({k for run in runs for k in run["results"] if k.startswith("eval_")})
-    columns = ["run", "effective batch", "micro × accum", "updates", "final train loss", *eval_keys, "train time (s)", "samples/s", "peak memory (GB)"]
+    columns = [
+        "run",
+        "effective batch",
+        "micro × accum",
+        "updates",
+        "final train loss",
+        *eval_keys,
+        "train time (s)",
+        "samples/s",
+        "peak memory (GB)",
+    ]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for run in runs:
         last, results = run["records"][-1], run["results"]
@@ -115,11 +153,18 @@ def _markdown(runs: list[dict], plots: list[tuple[str, str]]) -> str:
         def fmt(value):
             return f"{value:.4g}" if isinstance(value, float) else ("" if value is None else str(value))
 
-        row = [run["name"], fmt(results.get("effective_batch_size")),
-               f"{last.get('per_device_train_batch_size', results.get('per_device_train_batch_size', ''))} × "
-               f"{last.get('gradient_accumulation_steps', results.get('gradient_accumulation_steps', ''))}",
-               fmt(last["step"]), fmt(last["loss"]), *(fmt(results.get(k)) for k in eval_keys),
-               fmt(results.get("train_runtime")), fmt(results.get("train_samples_per_second")), fmt(results.get("peak_memory_gb"))]
+        row = [
+            run["name"],
+            fmt(results.get("effective_batch_size")),
+            f"{last.get('per_device_train_batch_size', results.get('per_device_train_batch_size', ''))} × "
+            f"{last.get('gradient_accumulation_steps', results.get('gradient_accumulation_steps', ''))}",
+            fmt(last["step"]),
+            fmt(last["loss"]),
+            *(fmt(results.get(k)) for k in eval_keys),
+            fmt(results.get("train_runtime")),
+            fmt(results.get("train_samples_per_second")),
+            fmt(results.get("peak_memory_gb")),
+        ]
         lines.append("| " + " | ".join(row) + " |")
     body = [f"# Training report: {len(runs)} run{'s' if len(runs) != 1 else ''}", "", *lines, ""]
     for filename, title in plots:

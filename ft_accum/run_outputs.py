@@ -65,7 +65,9 @@ def check_accelerator(accelerator, loss_weighted_by: str = "samples") -> None:
         )
 
 
-def prepare_output_dir(output_dir: str | os.PathLike, *, resume: bool, overwrite: bool, is_main_process: bool = True) -> None:
+def prepare_output_dir(
+    output_dir: str | os.PathLike, *, resume: bool, overwrite: bool, is_main_process: bool = True
+) -> None:
     """Check --output_dir before any compute is spent; with `overwrite`, clear the previous run's outputs.
 
     Refused without --overwrite_output_dir: a folder that holds a finished run (all_results.json),
@@ -96,7 +98,9 @@ def prepare_output_dir(output_dir: str | os.PathLike, *, resume: bool, overwrite
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
-        raise ConfigError(f"cannot write to --output_dir {path} ({exc.strerror or exc}); pick a folder you can write to") from exc
+        raise ConfigError(
+            f"cannot write to --output_dir {path} ({exc.strerror or exc}); pick a folder you can write to"
+        ) from exc
     if overwrite:
         for name in ("checkpoints", "final", "final_merged"):
             shutil.rmtree(path / name, ignore_errors=True)
@@ -134,7 +138,9 @@ def save_final(accelerator, model, tokenizer, output_dir: Path, name: str = "fin
             tokenizer.save_pretrained(tmp)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise ConfigError(f"could not write {final} ({exc.strerror or exc}); free disk space, then resume with --resume_from_checkpoint latest") from exc
+            raise ConfigError(
+                f"could not write {final} ({exc.strerror or exc}); free disk space, then resume with --resume_from_checkpoint latest"
+            ) from exc
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
@@ -166,12 +172,19 @@ def write_results(accelerator, args, state, plan, train_seconds: float, **metric
 
     output_dir, learning_rate = args.output_dir, args.scaled_learning_rate(state.effective_batch_size)
     results = {
-        **metrics, "train_runtime": train_seconds, "train_samples_per_second": state.samples_seen / train_seconds,
-        "train_tokens_per_second": state.tokens_seen / train_seconds, "num_update_steps": state.step,
-        "effective_batch_size": state.effective_batch_size, "per_device_train_batch_size": plan.micro,
-        "gradient_accumulation_steps": plan.accumulation, "num_processes": plan.processes,
-        "learning_rate": learning_rate, "mixed_precision": accelerator.mixed_precision,
-        "distributed_type": accelerator.distributed_type.value, "peak_memory_gb": peak_memory_gb(accelerator.device),
+        **metrics,
+        "train_runtime": train_seconds,
+        "train_samples_per_second": state.samples_seen / train_seconds,
+        "train_tokens_per_second": state.tokens_seen / train_seconds,
+        "num_update_steps": state.step,
+        "effective_batch_size": state.effective_batch_size,
+        "per_device_train_batch_size": plan.micro,
+        "gradient_accumulation_steps": plan.accumulation,
+        "num_processes": plan.processes,
+        "learning_rate": learning_rate,
+        "mixed_precision": accelerator.mixed_precision,
+        "distributed_type": accelerator.distributed_type.value,
+        "peak_memory_gb": peak_memory_gb(accelerator.device),
     }
     if accelerator.is_main_process:
         (Path(output_dir) / "all_results.json").write_text(json.dumps(results, indent=2))

@@ -32,16 +32,24 @@ def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str 
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1, sync_each_batch=args.sync_each_batch),
     )
     check_accelerator(accelerator, loss_weighted_by=loss_weighted_by)
-    prepare_output_dir(args.output_dir, resume=bool(args.resume_from_checkpoint), overwrite=args.overwrite_output_dir,
-                       is_main_process=accelerator.is_main_process)
+    prepare_output_dir(
+        args.output_dir,
+        resume=bool(args.resume_from_checkpoint),
+        overwrite=args.overwrite_output_dir,
+        is_main_process=accelerator.is_main_process,
+    )
     accelerator.wait_for_everyone()
     if report_to:
         settings = dataclasses.asdict(task_args) | dataclasses.asdict(args)
-        accelerator.init_trackers(project_name, config={k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))})
+        accelerator.init_trackers(
+            project_name, config={k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))}
+        )
     return accelerator
 
 
-def build_optimizer(model: torch.nn.Module, args, learning_rate: float, no_decay: tuple[str, ...]) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, args, learning_rate: float, no_decay: tuple[str, ...]
+) -> torch.optim.Optimizer:
     """AdamW (fused, the Trainer's default too) or SGD with momentum 0.9, over the trainable
     parameters; no weight decay on those whose names end with one of `no_decay` (biases, norms)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -54,23 +62,45 @@ def build_optimizer(model: torch.nn.Module, args, learning_rate: float, no_decay
     return torch.optim.AdamW(groups, lr=learning_rate, fused=True)
 
 
-def run_banner(accelerator, args, plan, windows: list[list[int]], mean_tokens_per_sample: float | None = None,
-               extra: dict[str, str] | None = None, unit: str = "samples") -> str:
+def run_banner(
+    accelerator,
+    args,
+    plan,
+    windows: list[list[int]],
+    mean_tokens_per_sample: float | None = None,
+    extra: dict[str, str] | None = None,
+    unit: str = "samples",
+) -> str:
     """The banner of `format_banner` for a recipe's settings: batch arithmetic, LR, updates, features on."""
     features = {
         "trust_remote_code": "ON: the model's own Python code ran" if args.trust_remote_code else None,
         "auto micro-batch": "on: out of memory halves the micro-batch, doubles the accumulation"
-        if args.auto_micro_batch else None,
+        if args.auto_micro_batch
+        else None,
         "accumulation schedule": f"{args.accumulation_schedule} (LR scaling re-applied at each change)"
-        if args.accumulation_schedule else None,
+        if args.accumulation_schedule
+        else None,
         "noise scale": "measured every update" if args.measure_noise_scale else None,
     }
-    lr_line = describe_lr_scaling(args.learning_rate, args.scaled_learning_rate(plan.effective), plan.effective,
-                                  args.base_batch_size, args.lr_scaling, args.optim)
+    lr_line = describe_lr_scaling(
+        args.learning_rate,
+        args.scaled_learning_rate(plan.effective),
+        plan.effective,
+        args.base_batch_size,
+        args.lr_scaling,
+        args.optim,
+    )
     return format_banner(
-        per_device_train_batch_size=plan.micro, gradient_accumulation_steps=plan.accumulation,
-        num_processes=plan.processes, lr_line=lr_line, mixed_precision=accelerator.mixed_precision,
-        gradient_checkpointing=args.gradient_checkpointing, num_update_steps=sum(map(len, windows)),
-        num_train_epochs=len(windows), updates_per_epoch=len(windows[0]), mean_tokens_per_sample=mean_tokens_per_sample,
-        extra={**(extra or {}), **{k: v for k, v in features.items() if v}}, unit=unit,
+        per_device_train_batch_size=plan.micro,
+        gradient_accumulation_steps=plan.accumulation,
+        num_processes=plan.processes,
+        lr_line=lr_line,
+        mixed_precision=accelerator.mixed_precision,
+        gradient_checkpointing=args.gradient_checkpointing,
+        num_update_steps=sum(map(len, windows)),
+        num_train_epochs=len(windows),
+        updates_per_epoch=len(windows[0]),
+        mean_tokens_per_sample=mean_tokens_per_sample,
+        extra={**(extra or {}), **{k: v for k, v in features.items() if v}},
+        unit=unit,
     )

@@ -40,9 +40,17 @@ from ft_accum.batch_arithmetic import BatchPlan
 from ft_accum.errors import ConfigError
 
 STATE_FILE = "sweep_state.json"
-SHORT_NAMES = {"learning_rate": "lr", "effective_batch_size": "ebs", "per_device_train_batch_size": "micro",
-               "gradient_accumulation_steps": "accum", "num_train_epochs": "epochs", "max_train_steps": "steps",
-               "weight_decay": "wd", "lr_scaling": "scaling", "model_name_or_path": "model"}
+SHORT_NAMES = {
+    "learning_rate": "lr",
+    "effective_batch_size": "ebs",
+    "per_device_train_batch_size": "micro",
+    "gradient_accumulation_steps": "accum",
+    "num_train_epochs": "epochs",
+    "max_train_steps": "steps",
+    "weight_decay": "wd",
+    "lr_scaling": "scaling",
+    "model_name_or_path": "model",
+}
 _OOM_MARKERS = ("out of memory", "DefaultCPUAllocator: can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
@@ -73,12 +81,18 @@ def recipe_path(recipe: str, sweep_file: Path) -> Path:
 
 
 def recipe_settings(path: Path) -> set[str]:
-    """The field names of the recipe's TrainConfig dataclass, read with `ast` (nothing is imported or run)."""
+    """The recipe's settings: the fields of its TaskArguments dataclass, read with `ast` (nothing is
+    imported or run), and those of the shared `arguments.TrainingArguments`."""
+    import dataclasses
+
+    from ft_accum.arguments import TrainingArguments
+
     tree = ast.parse(path.read_text())
     for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == "TrainConfig":
-            return {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
-    raise ConfigError(f"{path} has no TrainConfig dataclass, so its settings cannot be checked")
+        if isinstance(node, ast.ClassDef) and node.name == "TaskArguments":
+            task = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            return task | {f.name for f in dataclasses.fields(TrainingArguments)}
+    raise ConfigError(f"{path} has no TaskArguments dataclass, so its settings cannot be checked")
 
 
 def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
@@ -89,9 +103,13 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
     spec = yaml.safe_load(path.read_text()) or {}
     if not isinstance(spec, dict):
         raise ConfigError(f"{path} must hold a mapping (recipe, accelerate_config, base, grid or runs)")
-    unknown = sorted(set(spec) - {"recipe", "accelerate_config", "output_dir", "base", "grid", "runs", "timeout_per_run"})
+    unknown = sorted(
+        set(spec) - {"recipe", "accelerate_config", "output_dir", "base", "grid", "runs", "timeout_per_run"}
+    )
     if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; valid: recipe, accelerate_config, output_dir, base, grid, runs, timeout_per_run")
+        raise ConfigError(
+            f"{path}: unknown key(s) {', '.join(unknown)}; valid: recipe, accelerate_config, output_dir, base, grid, runs, timeout_per_run"
+        )
     if "recipe" not in spec:
         raise ConfigError(f"{path} names no recipe; add e.g. `recipe: text_classification`")
     recipe = recipe_path(str(spec["recipe"]), path)
@@ -107,7 +125,9 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
     if "grid" in spec:
         grid = spec["grid"] or {}
         if not grid or any(not isinstance(v, list) or not v for v in grid.values()):
-            raise ConfigError(f"{path}: the grid is empty; give each setting a non-empty list, e.g. learning_rate: [1e-5, 3e-5]")
+            raise ConfigError(
+                f"{path}: the grid is empty; give each setting a non-empty list, e.g. learning_rate: [1e-5, 3e-5]"
+            )
         keys = list(grid)
         variants = [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
     elif "runs" in spec:
@@ -120,7 +140,9 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
     for variant in [base, *variants]:
         bad = sorted(set(variant) - valid)
         if bad:
-            raise ConfigError(f"{path}: {', '.join(bad)} is not a setting of {recipe.name}; valid: {', '.join(sorted(valid))}")
+            raise ConfigError(
+                f"{path}: {', '.join(bad)} is not a setting of {recipe.name}; valid: {', '.join(sorted(valid))}"
+            )
     if any("output_dir" in v or "resume_from_checkpoint" in v for v in [base, *variants]):
         raise ConfigError(f"{path}: the sweep sets output_dir and resume_from_checkpoint itself; remove them")
     varied = sorted({k for v in variants for k in v})
@@ -131,8 +153,15 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
             raise ConfigError(f"{path}: two runs would both be named {name}; make their settings differ")
         names.add(name)
         runs.append({"name": name, "args": {**base, **variant}, "varied": {k: variant.get(k) for k in varied}})
-    return {"path": str(path.resolve()), "recipe": str(recipe), "accelerate_config": accelerate_config, "runs": runs, "varied": varied,
-            "output_dir": str(spec.get("output_dir") or Path("outputs") / "sweeps" / path.stem), "timeout_per_run": parse_duration(spec.get("timeout_per_run"))}
+    return {
+        "path": str(path.resolve()),
+        "recipe": str(recipe),
+        "accelerate_config": accelerate_config,
+        "runs": runs,
+        "varied": varied,
+        "output_dir": str(spec.get("output_dir") or Path("outputs") / "sweeps" / path.stem),
+        "timeout_per_run": parse_duration(spec.get("timeout_per_run")),
+    }
 
 
 def run_name(variant: dict[str, Any], varied: list[str]) -> str:
@@ -168,7 +197,11 @@ def reconcile_state(sweep: dict, output_dir: Path) -> dict:
     """Load the saved state and match it to the sweep file: add new runs, refuse changed ones."""
     path = output_dir / STATE_FILE
     state = json.loads(path.read_text()) if path.exists() else {"runs": {}}
-    changed = [r["name"] for r in sweep["runs"] if r["name"] in state["runs"] and state["runs"][r["name"]]["args"] != _jsonable(r["args"])]
+    changed = [
+        r["name"]
+        for r in sweep["runs"]
+        if r["name"] in state["runs"] and state["runs"][r["name"]]["args"] != _jsonable(r["args"])
+    ]
     if changed:
         raise ConfigError(
             f"the sweep file changed the settings of run(s) {', '.join(changed)} since they were queued in {output_dir}; "
@@ -178,8 +211,16 @@ def reconcile_state(sweep: dict, output_dir: Path) -> dict:
     if state["runs"] and added:
         print(f"sweep file edited: {len(added)} new run(s) added: {', '.join(added)}", flush=True)
     for run in sweep["runs"]:
-        state["runs"].setdefault(run["name"], {"args": _jsonable(run["args"]), "varied": _jsonable(run["varied"]), "status": "pending",
-                                               "attempts": 0, "replanned": False})
+        state["runs"].setdefault(
+            run["name"],
+            {
+                "args": _jsonable(run["args"]),
+                "varied": _jsonable(run["varied"]),
+                "status": "pending",
+                "attempts": 0,
+                "replanned": False,
+            },
+        )
     state["sweep_file_sha256"] = hashlib.sha256(Path(sweep["path"]).read_bytes()).hexdigest()
     return state
 
@@ -267,7 +308,11 @@ def run_sweep(sweep_file: str, dry_run: bool = False, time_budget: str | None = 
     queue = [r for r in sweep["runs"] if state["runs"][r["name"]]["status"] not in ("ok", "replanned")]
     for position, run in enumerate(queue, 1):
         record = state["runs"][run["name"]]
-        durations = [r["wall_seconds"] for r in state["runs"].values() if r["status"] in ("ok", "replanned") and r.get("wall_seconds")]
+        durations = [
+            r["wall_seconds"]
+            for r in state["runs"].values()
+            if r["status"] in ("ok", "replanned") and r.get("wall_seconds")
+        ]
         if budget and durations and time.monotonic() - started + sum(durations) / len(durations) > budget:
             record["status"] = "skipped"
             record["error"] = "time budget: not enough left for a run of the measured length"
@@ -279,16 +324,24 @@ def run_sweep(sweep_file: str, dry_run: bool = False, time_budget: str | None = 
             if outcome == "out_of_memory" and not record["replanned"]:
                 args = replan_for_memory(args, default_micro)
                 record.update(replanned=True, replanned_args=_jsonable(args), status="pending")
-                print(f"  {run['name']}: out of memory; queued again with per_device_train_batch_size "
-                      f"{args['per_device_train_batch_size']} (same effective batch)", flush=True)
+                print(
+                    f"  {run['name']}: out of memory; queued again with per_device_train_batch_size "
+                    f"{args['per_device_train_batch_size']} (same effective batch)",
+                    flush=True,
+                )
                 write_state(output_dir, state)
                 continue
             break
         write_results(sweep, output_dir, state)
     write_results(sweep, output_dir, state)
-    counts = {s: sum(r["status"] == s for r in state["runs"].values()) for s in ("ok", "replanned", "failed", "skipped")}
-    print(f"sweep done: {counts['ok']} ok, {counts['replanned']} ok after a replan, {counts['failed']} failed, "
-          f"{counts['skipped']} skipped; results in {output_dir / 'results.md'}", flush=True)
+    counts = {
+        s: sum(r["status"] == s for r in state["runs"].values()) for s in ("ok", "replanned", "failed", "skipped")
+    }
+    print(
+        f"sweep done: {counts['ok']} ok, {counts['replanned']} ok after a replan, {counts['failed']} failed, "
+        f"{counts['skipped']} skipped; results in {output_dir / 'results.md'}",
+        flush=True,
+    )
     return state
 
 
@@ -338,7 +391,9 @@ def _run_once(sweep: dict, name: str, args: dict, output_dir: Path, position: in
     else:
         tail = (run_dir / "log.txt").read_text(errors="replace")[-4000:]
         record["status"] = "failed"
-        record["error"] = f"timed out after {sweep['timeout_per_run']:.0f} s" if timed_out else error_line(run_dir / "log.txt")
+        record["error"] = (
+            f"timed out after {sweep['timeout_per_run']:.0f} s" if timed_out else error_line(run_dir / "log.txt")
+        )
         record["log_tail"] = tail.splitlines()[-15:]
         outcome = "out_of_memory" if any(m in tail for m in _OOM_MARKERS) else "failed"
         print(f"  {name}: {record['status']}: {record['error']}", flush=True)
@@ -346,19 +401,28 @@ def _run_once(sweep: dict, name: str, args: dict, output_dir: Path, position: in
     return outcome
 
 
-def _summary(state: dict, name: str, run_dir: Path, position: int, total: int, began: float, first_update: int) -> tuple[int, str]:
+def _summary(
+    state: dict, name: str, run_dir: Path, position: int, total: int, began: float, first_update: int
+) -> tuple[int, str]:
     """(updates done, 'run i of N: update u of U, ETA …, done/failed/left'); U is read from the recipe's banner."""
     done = sum(r["status"] in ("ok", "replanned") for r in state["runs"].values())
     failed = sum(r["status"] == "failed" for r in state["runs"].values())
     metrics = run_dir / "metrics.jsonl"
     update = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-    banner = re.findall(r"(\d+) optimizer updates", (run_dir / "log.txt").read_text(errors="replace")) if (run_dir / "log.txt").exists() else []
+    banner = (
+        re.findall(r"(\d+) optimizer updates", (run_dir / "log.txt").read_text(errors="replace"))
+        if (run_dir / "log.txt").exists()
+        else []
+    )
     planned = int(banner[-1]) if banner else None
     elapsed = time.monotonic() - began
     progress = f"update {update}" + (f" of {planned}" if planned else "")
     if planned and update > first_update:  # the rate of this attempt (a resumed run starts past 0)
         progress += f", ETA {(planned - update) * elapsed / (update - first_update) / 60:.1f} min"
-    return update, f"[run {position}/{total}] {name}: {progress} | done {done}, failed {failed}, left {total - position}"
+    return (
+        update,
+        f"[run {position}/{total}] {name}: {progress} | done {done}, failed {failed}, left {total - position}",
+    )
 
 
 def write_results(sweep: dict, output_dir: Path, state: dict) -> None:
@@ -367,13 +431,25 @@ def write_results(sweep: dict, output_dir: Path, state: dict) -> None:
     for run in sweep["runs"]:
         record = state["runs"][run["name"]]
         results_path = output_dir / run["name"] / "all_results.json"
-        results = json.loads(results_path.read_text()) if results_path.exists() and record["status"] in ("ok", "replanned") else {}
+        results = (
+            json.loads(results_path.read_text())
+            if results_path.exists() and record["status"] in ("ok", "replanned")
+            else {}
+        )
         row = {"run": run["name"], **{k: v for k, v in record["varied"].items()}}
         row.update({k: v for k, v in results.items() if k.startswith("eval_")})
-        row.update({"updates": results.get("num_update_steps"), "effective_batch_size": results.get("effective_batch_size"),
-                    "per_device_train_batch_size": results.get("per_device_train_batch_size"), "wall_seconds": round(record.get("wall_seconds", 0.0), 1),
-                    "samples_per_second": results.get("train_samples_per_second"), "peak_memory_gb": results.get("peak_memory_gb"),
-                    "status": record["status"], "error": record.get("error", "")})
+        row.update(
+            {
+                "updates": results.get("num_update_steps"),
+                "effective_batch_size": results.get("effective_batch_size"),
+                "per_device_train_batch_size": results.get("per_device_train_batch_size"),
+                "wall_seconds": round(record.get("wall_seconds", 0.0), 1),
+                "samples_per_second": results.get("train_samples_per_second"),
+                "peak_memory_gb": results.get("peak_memory_gb"),
+                "status": record["status"],
+                "error": record.get("error", ""),
+            }
+        )
         rows.append(row)
     columns = list(dict.fromkeys(k for row in rows for k in row))
     tmp = output_dir / ".results.csv.tmp"

@@ -39,8 +39,14 @@ class TrainingState:
     noise_scale_ema: Optional[dict] = None
     last_checkpoint: Optional[str] = None
 
-    def complete_update(self, totals: WindowTotals, plan: BatchPlan, skipped: bool, scheduler_steps: int,
-                        max_consecutive_skipped_updates: int) -> None:
+    def complete_update(
+        self,
+        totals: WindowTotals,
+        plan: BatchPlan,
+        skipped: bool,
+        scheduler_steps: int,
+        max_consecutive_skipped_updates: int,
+    ) -> None:
         """Count one optimizer update; stop the run when fp16 has skipped too many in a row."""
         self.step += 1
         self.scheduler_steps += scheduler_steps
@@ -50,18 +56,35 @@ class TrainingState:
         self.tokens_seen += int(totals.tokens)
         self.skipped_updates += skipped
         self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
-        check_skipped_updates(self.consecutive_skipped, max_consecutive_skipped_updates, self.step, self.last_checkpoint)
+        check_skipped_updates(
+            self.consecutive_skipped, max_consecutive_skipped_updates, self.step, self.last_checkpoint
+        )
 
-    def record(self, totals: WindowTotals, plan: BatchPlan, learning_rate: float, seconds: float,
-               batches_per_epoch: int, **extra: Any) -> dict[str, Any]:
+    def record(
+        self,
+        totals: WindowTotals,
+        plan: BatchPlan,
+        learning_rate: float,
+        seconds: float,
+        batches_per_epoch: int,
+        **extra: Any,
+    ) -> dict[str, Any]:
         """The metrics.jsonl line of the update just completed."""
         return {
-            "step": self.step, "epoch": self.epoch + self.epoch_samples / (plan.micro * batches_per_epoch),
-            "loss": totals.loss, "lr": learning_rate, "grad_norm": totals.grad_norm,
-            "samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
-            "samples_per_second": totals.samples / seconds, "tokens_per_second": totals.tokens / seconds,
-            "skipped_updates": self.skipped_updates, "per_device_train_batch_size": plan.micro,
-            "gradient_accumulation_steps": plan.accumulation, "effective_batch_size": self.effective_batch_size, **extra,
+            "step": self.step,
+            "epoch": self.epoch + self.epoch_samples / (plan.micro * batches_per_epoch),
+            "loss": totals.loss,
+            "lr": learning_rate,
+            "grad_norm": totals.grad_norm,
+            "samples_seen": self.samples_seen,
+            "tokens_seen": self.tokens_seen,
+            "samples_per_second": totals.samples / seconds,
+            "tokens_per_second": totals.tokens / seconds,
+            "skipped_updates": self.skipped_updates,
+            "per_device_train_batch_size": plan.micro,
+            "gradient_accumulation_steps": plan.accumulation,
+            "effective_batch_size": self.effective_batch_size,
+            **extra,
         }
 
     def next_epoch(self) -> None:
@@ -84,12 +107,20 @@ def start_or_resume(accelerator, model, args, plan: BatchPlan) -> tuple[Training
     run's is refused (checkpointing.check_resume_signature); metrics.jsonl loses the lines of the
     updates that will run again."""
     signature = checkpointing.run_signature(
-        accelerator.unwrap_model(model), effective_batch_size=plan.effective, per_device_train_batch_size=plan.micro,
-        gradient_accumulation_steps=plan.accumulation, num_processes=plan.processes, seed=args.seed, optim=args.optim,
-        accumulation_schedule=args.accumulation_schedule)
+        accelerator.unwrap_model(model),
+        effective_batch_size=plan.effective,
+        per_device_train_batch_size=plan.micro,
+        gradient_accumulation_steps=plan.accumulation,
+        num_processes=plan.processes,
+        seed=args.seed,
+        optim=args.optim,
+        accumulation_schedule=args.accumulation_schedule,
+    )
     state = TrainingState(effective_batch_size=plan.effective)
     if args.resume_from_checkpoint:
-        saved = checkpointing.resume_training_state(accelerator, args.resume_from_checkpoint, args.output_dir, signature)
+        saved = checkpointing.resume_training_state(
+            accelerator, args.resume_from_checkpoint, args.output_dir, signature
+        )
         state = TrainingState.from_checkpoint(saved, checkpointing.checkpoint_name(saved["step"]))
     if accelerator.is_main_process:
         truncate_metrics(Path(args.output_dir), state.step)
@@ -135,23 +166,34 @@ class TrainClock:
         return time.perf_counter() - self._started
 
 
-def save_checkpoint(accelerator, output_dir: str | Path, state: TrainingState, signature: dict[str, Any],
-                    save_total_limit: int | None, train_seconds: float) -> Path:
+def save_checkpoint(
+    accelerator,
+    output_dir: str | Path,
+    state: TrainingState,
+    signature: dict[str, Any],
+    save_total_limit: int | None,
+    train_seconds: float,
+) -> Path:
     """An atomic checkpoint at this sync step (see checkpointing.save_checkpoint); remembers its name
     for the error messages that point the user to the last good one."""
     state.train_seconds = train_seconds
-    path = checkpointing.save_checkpoint(accelerator, output_dir, state.step, state.to_checkpoint(signature),
-                                         save_total_limit)
+    path = checkpointing.save_checkpoint(
+        accelerator, output_dir, state.step, state.to_checkpoint(signature), save_total_limit
+    )
     state.last_checkpoint = str(path)
     return path
 
 
-def checkpoint_if_due(accelerator, args, state: TrainingState, signature: dict[str, Any], clock: TrainClock, stop) -> None:
+def checkpoint_if_due(
+    accelerator, args, state: TrainingState, signature: dict[str, Any], clock: TrainClock, stop
+) -> None:
     """At a sync step: a checkpoint every --checkpointing_steps updates, and one at once after SIGTERM or
     SIGINT, which then ends the run with the resume command (see graceful_stop)."""
     stopping = stop.requested(accelerator)
     if stopping or (args.checkpointing_steps and state.step % args.checkpointing_steps == 0):
         with clock.paused():
-            path = save_checkpoint(accelerator, args.output_dir, state, signature, args.save_total_limit, clock.total())
+            path = save_checkpoint(
+                accelerator, args.output_dir, state, signature, args.save_total_limit, clock.total()
+            )
         if stopping:
             stop.exit(accelerator, path)

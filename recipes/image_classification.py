@@ -88,9 +88,7 @@ class TaskArguments:
         if self.image_size < 1:
             raise ConfigError(f"--image_size must be ≥ 1, got {self.image_size}")
         if self.batchnorm not in norm.POLICIES:
-            raise ConfigError(
-                f"--batchnorm must be one of {', '.join(norm.POLICIES)}, got {self.batchnorm!r}"
-            )
+            raise ConfigError(f"--batchnorm must be one of {', '.join(norm.POLICIES)}, got {self.batchnorm!r}")
         if self.train_dir and self.dataset_name:
             raise ConfigError("give --train_dir or --dataset_name, not both")
 

@@ -63,7 +63,7 @@ class TaskArguments:
 
     def __post_init__(self):
         if self.max_seq_length < 2:
-            raise ConfigError(f"--max_seq_length must be ≥ 2 (room for [CLS] and [SEP]), got {self.max_seq_length}")
+            raise ConfigError(f"--max_seq_length must be ≥ 2, got {self.max_seq_length} (room for [CLS] and [SEP])")
 
 
 NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight")

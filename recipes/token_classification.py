@@ -83,7 +83,7 @@ class TaskArguments:
     def __post_init__(self):
         if self.max_seq_length < 3:
             raise ConfigError(
-                f"--max_seq_length must be ≥ 3 (room for [CLS], a word and [SEP]), got {self.max_seq_length}"
+                f"--max_seq_length must be ≥ 3, got {self.max_seq_length} (room for [CLS], a word and [SEP])"
             )
 
 

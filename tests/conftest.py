@@ -63,7 +63,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     )
 
     path = tmp_path_factory.mktemp("tiny-bert")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted({w for ws in TOPICS.values() for w in ws} | set(COMMON))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(
+        {w for ws in TOPICS.values() for w in ws} | set(COMMON)
+    )
     (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
     # transformers 5 takes the vocabulary as a dict and silently ignores vocab_file (every word
     # would become [UNK]); transformers 4 needs vocab_file. The length check catches either going wrong.
@@ -73,8 +75,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     assert len(tokenizer) == len(vocab) and tokenizer.unk_token_id not in tokenizer("the match")["input_ids"]
     tokenizer.save_pretrained(path)
     config = BertConfig(
-        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=len(TOPICS),
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=len(TOPICS),
     )
     torch.manual_seed(0)
     BertForSequenceClassification(config).save_pretrained(path)
@@ -93,9 +102,18 @@ def data_files(tmp_path_factory) -> dict[str, Path]:
 def tiny_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **overrides) -> list[str]:
     """Recipe flags for a fast, deterministic run on the tiny model (fp32, no tracker)."""
     settings = {
-        "model_name_or_path": model_dir, "train_file": data["train"], "validation_file": data["validation"],
-        "max_seq_length": 48, "learning_rate": 1e-3, "lr_scaling": "none", "num_warmup_steps": 0,
-        "weight_decay": 0.0, "num_train_epochs": 1, "output_dir": output_dir, "report_to": "none", "seed": 7,
+        "model_name_or_path": model_dir,
+        "train_file": data["train"],
+        "validation_file": data["validation"],
+        "max_seq_length": 48,
+        "learning_rate": 1e-3,
+        "lr_scaling": "none",
+        "num_warmup_steps": 0,
+        "weight_decay": 0.0,
+        "num_train_epochs": 1,
+        "output_dir": output_dir,
+        "report_to": "none",
+        "seed": 7,
     }
     settings.update(overrides)
     return [f"--{k}={v}" for k, v in settings.items() if v is not None]
@@ -136,8 +154,20 @@ def launch_command(name: str, args: list[str], num_processes: int = 1) -> tuple[
         # `--cpu --num_processes 2` silently runs one process in accelerate 1.15; this runs two
         # (torchrun, DistributedType.MULTI_CPU, gloo).
         env |= {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-        cmd = [*accelerate, "--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+        cmd = [
+            *accelerate,
+            "--multi_gpu",
+            "--num_processes",
+            str(num_processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+        ]
     return [*cmd, str(RECIPES / f"{name}.py"), *args], env
 
 
@@ -180,7 +210,9 @@ def build_word_tokenizer(path: Path):
     vocab = ["<pad>", "<unk>", "<eos>"] + sorted({w for ws in TOPICS.values() for w in ws} | set(COMMON))
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+    )
     tokenizer.save_pretrained(path)
     return tokenizer
 
@@ -205,13 +237,28 @@ def make_tiny_lm(arch: str, path: Path) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_word_tokenizer(path)
-    common = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.eos_token_id}
+    common = {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.eos_token_id,
+    }
     if arch == "gpt2":
-        config = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        config = GPT2Config(
+            n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common
+        )
         model_class = GPT2LMHeadModel
     else:
-        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                             max_position_embeddings=64, attention_dropout=0.0, **common)
+        config = LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            attention_dropout=0.0,
+            **common,
+        )
         model_class = LlamaForCausalLM
     torch.manual_seed(0)
     model_class(config).save_pretrained(path)
@@ -221,16 +268,27 @@ def make_tiny_lm(arch: str, path: Path) -> Path:
 @pytest.fixture(scope="session")
 def lm_data_files(tmp_path_factory) -> dict[str, Path]:
     path = tmp_path_factory.mktemp("lm-data")
-    return {"train": write_jsonl(path / "train.jsonl", make_documents(24, seed=11)),
-            "validation": write_jsonl(path / "validation.jsonl", make_documents(8, seed=12))}
+    return {
+        "train": write_jsonl(path / "train.jsonl", make_documents(24, seed=11)),
+        "validation": write_jsonl(path / "validation.jsonl", make_documents(8, seed=12)),
+    }
 
 
 def tiny_lm_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **overrides) -> list[str]:
     """causal_lm flags for a fast, deterministic fp32 run on a tiny model."""
     settings = {
-        "model_name_or_path": model_dir, "train_file": data["train"], "validation_file": data["validation"],
-        "block_size": 48, "learning_rate": 1e-3, "lr_scaling": "none", "num_warmup_steps": 0, "weight_decay": 0.0,
-        "num_train_epochs": 1, "output_dir": output_dir, "report_to": "none", "seed": 7,
+        "model_name_or_path": model_dir,
+        "train_file": data["train"],
+        "validation_file": data["validation"],
+        "block_size": 48,
+        "learning_rate": 1e-3,
+        "lr_scaling": "none",
+        "num_warmup_steps": 0,
+        "weight_decay": 0.0,
+        "num_train_epochs": 1,
+        "output_dir": output_dir,
+        "report_to": "none",
+        "seed": 7,
     }
     settings.update(overrides)
     return [f"--{k}={v}" for k, v in settings.items() if v is not None]

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given
@@ -38,12 +40,15 @@ def test_indivisible_over_processes_names_the_process_count():
         resolve_gradient_accumulation_steps(4, 2, effective_batch_size=12)
 
 
-@pytest.mark.parametrize("kwargs, pattern", [
-    ({"gradient_accumulation_steps": 0}, "must be ≥ 1"),
-    ({"gradient_accumulation_steps": -2}, "must be ≥ 1"),
-    ({"effective_batch_size": 0}, "must be ≥ 1"),
-    ({"gradient_accumulation_steps": 2, "effective_batch_size": 16}, "give only one"),
-])
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"gradient_accumulation_steps": 0}, "must be ≥ 1"),
+        ({"gradient_accumulation_steps": -2}, "must be ≥ 1"),
+        ({"effective_batch_size": 0}, "must be ≥ 1"),
+        ({"gradient_accumulation_steps": 2, "effective_batch_size": 16}, "give only one"),
+    ],
+)
 def test_bad_accumulation_settings_are_rejected(kwargs, pattern):
     with pytest.raises(ConfigError, match=pattern):
         resolve_gradient_accumulation_steps(8, 1, **kwargs)
@@ -62,14 +67,47 @@ def test_num_update_steps():
 
 
 def test_shrinking_the_micro_batch_keeps_the_effective_batch():
-    from ft_accum.memory import shrink_micro_batch
+    from ft_accum.batch_arithmetic import BatchPlan
 
-    assert shrink_micro_batch(8, 2) == (4, 4)
-    assert shrink_micro_batch(6, 1) == (3, 2)
-    assert shrink_micro_batch(9, 1) == (3, 3)
-    assert shrink_micro_batch(7, 2) == (1, 14)
+    for (micro, accumulation), expected in {(8, 2): (4, 4), (6, 1): (3, 2), (9, 1): (3, 3), (7, 2): (1, 14)}.items():
+        plan = BatchPlan(micro, accumulation, 2)
+        smaller = plan.shrunk()
+        assert (smaller.micro, smaller.accumulation) == expected
+        assert smaller.effective == plan.effective and smaller.processes == 2
     with pytest.raises(ConfigError, match="cannot shrink further"):
-        shrink_micro_batch(1, 32)
+        BatchPlan(1, 32, 1).shrunk()
+
+
+@given(
+    micro=st.integers(1, 16), accumulation=st.integers(1, 16), processes=st.integers(1, 8), factor=st.integers(1, 8)
+)
+def test_a_plan_resplits_to_any_effective_batch_its_micro_batches_divide(micro, accumulation, processes, factor):
+    from ft_accum.batch_arithmetic import BatchPlan
+
+    plan = BatchPlan(micro, accumulation, processes)
+    assert plan.effective == micro * accumulation * processes
+    bigger = plan.resplit(plan.effective * factor)
+    assert (bigger.micro, bigger.processes, bigger.accumulation) == (micro, processes, accumulation * factor)
+    if micro * processes > 1:
+        with pytest.raises(ConfigError, match="not divisible"):
+            plan.resplit(plan.effective * factor + 1)
+
+
+def test_only_apply_batch_plan_writes_the_accelerators_accumulation():
+    from ft_accum.batch_arithmetic import BatchPlan, apply_batch_plan
+
+    class FakeAccelerator:  # the two attributes Accelerate reads to decide when to sync
+        num_processes, gradient_accumulation_steps, step = 2, 1, 3
+
+    accelerator = FakeAccelerator()
+    plan = apply_batch_plan(accelerator, BatchPlan(4, 8, 2))
+    assert (accelerator.gradient_accumulation_steps, accelerator.step, plan.effective) == (8, 0, 64)
+    with pytest.raises(ValueError, match="processes"):
+        apply_batch_plan(accelerator, BatchPlan(4, 8, 1))
+    recipes = (Path(__file__).resolve().parents[1] / "recipes").glob("*.py")
+    library = (Path(__file__).resolve().parents[1] / "ft_accum").glob("*.py")
+    writers = [p.name for p in [*recipes, *library] if "gradient_accumulation_steps =" in p.read_text()]
+    assert writers == ["batch_arithmetic.py"], writers
 
 
 def test_out_of_memory_errors_are_recognised():

@@ -20,11 +20,15 @@ def load_run_all():
 
 def test_run_all_quick_writes_every_section(tmp_path):
     run_all = load_run_all()
-    (tmp_path / "README.md").write_text("# Benchmarks\n\nhand-written text\n\n<!-- run_all:begin -->\nold\n<!-- run_all:end -->\n\nmore text\n")
+    (tmp_path / "README.md").write_text(
+        "# Benchmarks\n\nhand-written text\n\n<!-- run_all:begin -->\nold\n<!-- run_all:end -->\n\nmore text\n"
+    )
     run_all.main(["--quick", "--output_dir", str(tmp_path)])
 
     readme = (tmp_path / "README.md").read_text()
-    assert "hand-written text" in readme and "more text" in readme and "\nold\n" not in readme  # only the block is replaced
+    assert (
+        "hand-written text" in readme and "more text" in readme and "\nold\n" not in readme
+    )  # only the block is replaced
     assert "These figures are not measurements" in readme
     for title in run_all.TITLES.values():
         assert f"### {title}" in readme

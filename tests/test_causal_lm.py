@@ -58,7 +58,10 @@ def window_gradients(model_dir, docs, micro, accumulation, method):
         for batch in loader:
             with accelerator.accumulate(model):
                 if method == "ours":
-                    loss_sum, count = causal_lm_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"])
+                    loss_sum, count = causal_lm_loss_sum(
+                        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                        batch["labels"],
+                    )
                     tokens += int(count)
                     accelerator.backward(loss_sum / nominal)
                     if accelerator.sync_gradients:
@@ -84,7 +87,9 @@ def full_batch_gradient(model_dir, docs):
     return flat_grad(model)
 
 
-@pytest.mark.parametrize("micro, accumulation, windows", [(2, 4, [8, 8]), (3, 4, [12, 4])], ids=["micro2x4", "micro3-short-last-window"])
+@pytest.mark.parametrize(
+    "micro, accumulation, windows", [(2, 4, [8, 8]), (3, 4, [12, 4])], ids=["micro2x4", "micro3-short-last-window"]
+)
 def test_token_weighted_accumulation_is_exact(tiny_lm_dir, micro, accumulation, windows):
     docs = make_documents(16, seed=21, min_words=12, max_words=62)  # 16 sequences of 12–62 tokens
     ours = window_gradients(tiny_lm_dir, docs, micro, accumulation, "ours")
@@ -123,7 +128,10 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def lm_full_batch_run(tmp_path_factory, tiny_gpt2_dir, lm_data_files):
     out = tmp_path_factory.mktemp("lm-full-batch")
-    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, out, per_device_train_batch_size=8, gradient_accumulation_steps=1))
+    run_in_process(
+        "causal_lm",
+        tiny_lm_args(tiny_gpt2_dir, lm_data_files, out, per_device_train_batch_size=8, gradient_accumulation_steps=1),
+    )
     return out
 
 
@@ -133,14 +141,23 @@ def assert_same_lm_run(out, reference):
 
 
 def test_recipe_accumulation_matches_the_full_batch(tmp_path, tiny_gpt2_dir, lm_data_files, lm_full_batch_run):
-    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4))
+    run_in_process(
+        "causal_lm",
+        tiny_lm_args(
+            tiny_gpt2_dir, lm_data_files, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4
+        ),
+    )
     assert_same_lm_run(tmp_path, lm_full_batch_run)
     assert [m["lr"] for m in read_metrics(tmp_path)][-1] == 0.0
 
 
 @pytest.mark.launch
 def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_gpt2_dir, lm_data_files, lm_full_batch_run):
-    result = launch("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8), num_processes=2)
+    result = launch(
+        "causal_lm",
+        tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8),
+        num_processes=2,
+    )
     results = json.loads((tmp_path / "all_results.json").read_text())
     assert results["num_processes"] == 2, "accelerate launch started one process, not two"
     assert "2 micro × 2 accumulation × 2 processes = 8 sequences per update" in result.stdout
@@ -151,9 +168,23 @@ def test_lora_with_checkpointing_trains_and_saves_an_adapter_that_reloads(tmp_pa
     peft = pytest.importorskip("peft")
     train = write_jsonl(tmp_path / "train.jsonl", make_documents(40, seed=23))
     data = {"train": train, "validation": write_jsonl(tmp_path / "val.jsonl", make_documents(8, seed=24))}
-    results = run_in_process("causal_lm", tiny_lm_args(
-        tiny_llama_dir, data, tmp_path / "out", use_lora=True, gradient_checkpointing=True, lora_r=4, learning_rate=3e-2,
-        per_device_train_batch_size=2, gradient_accumulation_steps=2, max_train_steps=10, num_train_epochs=2, merge_lora=True))
+    results = run_in_process(
+        "causal_lm",
+        tiny_lm_args(
+            tiny_llama_dir,
+            data,
+            tmp_path / "out",
+            use_lora=True,
+            gradient_checkpointing=True,
+            lora_r=4,
+            learning_rate=3e-2,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_train_steps=10,
+            num_train_epochs=2,
+            merge_lora=True,
+        ),
+    )
     losses = [m["loss"] for m in read_metrics(tmp_path / "out")]
     assert len(losses) == 10 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
     assert results["eval_perplexity"] < results["initial_eval_perplexity"]
@@ -169,7 +200,19 @@ def test_lora_with_checkpointing_trains_and_saves_an_adapter_that_reloads(tmp_pa
 
 
 def test_packing_gives_full_blocks(tmp_path, tiny_gpt2_dir, lm_data_files):
-    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, packing=True, block_size=16, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_train_steps=2))
+    run_in_process(
+        "causal_lm",
+        tiny_lm_args(
+            tiny_gpt2_dir,
+            lm_data_files,
+            tmp_path,
+            packing=True,
+            block_size=16,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_train_steps=2,
+        ),
+    )
     # Packed blocks have no padding: every update sees 4 blocks × 15 targets.
     assert [m["tokens_seen"] for m in read_metrics(tmp_path)] == [60, 120]
 
@@ -195,7 +238,20 @@ def test_auto_micro_batch_recovers_an_lm_update(tmp_path, tiny_gpt2_dir, lm_data
 
     monkeypatch.setattr(GPT2LMHeadModel, "forward", forward_that_runs_out_of_memory)
     auto, reference = tmp_path / "auto", tmp_path / "reference"
-    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, auto, per_device_train_batch_size=4, effective_batch_size=8, auto_micro_batch=True))
-    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, reference, per_device_train_batch_size=2, effective_batch_size=8))
+    run_in_process(
+        "causal_lm",
+        tiny_lm_args(
+            tiny_gpt2_dir,
+            lm_data_files,
+            auto,
+            per_device_train_batch_size=4,
+            effective_batch_size=8,
+            auto_micro_batch=True,
+        ),
+    )
+    run_in_process(
+        "causal_lm",
+        tiny_lm_args(tiny_gpt2_dir, lm_data_files, reference, per_device_train_batch_size=2, effective_batch_size=8),
+    )
     assert [r["per_device_train_batch_size"] for r in read_metrics(auto)] == [4, 2, 2]
     assert_same_run(auto, reference)

@@ -72,16 +72,21 @@ def test_names_sort_in_step_order():
     assert names == sorted(names) == ["step_000002", "step_000010", "step_100000"]
 
 
-@pytest.mark.parametrize("completed, epoch, expected", [
-    (0, 0, 0),    # fresh start
-    (3, 0, 12),   # 3 of 5 windows of epoch 0 done: skip 3 × 4 batches
-    (5, 0, 0),    # epoch 0 finished: the loop starts at epoch 1 anyway
-    (5, 1, 0),    # ... which has seen nothing
-    (7, 1, 8),    # 2 windows into epoch 1
-    (7, 2, 0),    # a later epoch starts from its first batch
-])
+@pytest.mark.parametrize(
+    "completed, epoch, expected",
+    [
+        (0, 0, 0),  # fresh start
+        (3, 0, 12),  # 3 of 5 windows of epoch 0 done: skip 3 × 4 batches
+        (5, 0, 0),  # epoch 0 finished: the loop starts at epoch 1 anyway
+        (5, 1, 0),  # ... which has seen nothing
+        (7, 1, 8),  # 2 windows into epoch 1
+        (7, 2, 0),  # a later epoch starts from its first batch
+    ],
+)
 def test_batches_to_skip_on_resume(completed, epoch, expected):
-    assert checkpointing.batches_to_skip(completed, epoch, updates_per_epoch=5, gradient_accumulation_steps=4) == expected
+    assert (
+        checkpointing.batches_to_skip(completed, epoch, updates_per_epoch=5, gradient_accumulation_steps=4) == expected
+    )
 
 
 def test_manifest_records_every_file(tmp_path, accelerator):
@@ -116,32 +121,54 @@ def test_save_total_limit_keeps_the_newest(tmp_path, accelerator):
 
 
 def signature(**changes):
-    base = {"model": "Bert:abc", "effective_batch_size": 32, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 4,
-            "num_processes": 1, "seed": 42, "optim": "adamw_torch"}
+    base = {
+        "model": "Bert:abc",
+        "effective_batch_size": 32,
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 4,
+        "num_processes": 1,
+        "seed": 42,
+        "optim": "adamw_torch",
+    }
     return base | changes
 
 
 def test_run_signature_tells_models_apart():
     a, b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 3)
-    settings = {"effective_batch_size": 8, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_processes": 1, "seed": 0, "optim": "sgd"}
-    assert checkpointing.run_signature(a, **settings)["model"] == checkpointing.run_signature(torch.nn.Linear(4, 2), **settings)["model"]
+    settings = {
+        "effective_batch_size": 8,
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 1,
+        "num_processes": 1,
+        "seed": 0,
+        "optim": "sgd",
+    }
+    assert (
+        checkpointing.run_signature(a, **settings)["model"]
+        == checkpointing.run_signature(torch.nn.Linear(4, 2), **settings)["model"]
+    )
     assert checkpointing.run_signature(a, **settings)["model"] != checkpointing.run_signature(b, **settings)["model"]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"model": "Bert:def"}, "different model"),
-    ({"effective_batch_size": 64, "gradient_accumulation_steps": 8}, "effective_batch_size 32, this run has 64"),
-    ({"num_processes": 2, "gradient_accumulation_steps": 2}, "num_processes 1, this run has 2"),
-    ({"seed": 1}, "seed 42, this run has 1"),
-    ({"optim": "sgd"}, "optim adamw_torch, this run has sgd"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model": "Bert:def"}, "different model"),
+        ({"effective_batch_size": 64, "gradient_accumulation_steps": 8}, "effective_batch_size 32, this run has 64"),
+        ({"num_processes": 2, "gradient_accumulation_steps": 2}, "num_processes 1, this run has 2"),
+        ({"seed": 1}, "seed 42, this run has 1"),
+        ({"optim": "sgd"}, "optim adamw_torch, this run has sgd"),
+    ],
+)
 def test_a_resume_that_would_change_the_run_is_refused(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):
         checkpointing.check_resume_signature(signature(), signature(**change), tmp_path)
 
 
 def test_a_new_split_of_the_same_effective_batch_is_allowed_with_a_note(tmp_path):
-    notes = checkpointing.check_resume_signature(signature(), signature(per_device_train_batch_size=4, gradient_accumulation_steps=8), tmp_path)
+    notes = checkpointing.check_resume_signature(
+        signature(), signature(per_device_train_batch_size=4, gradient_accumulation_steps=8), tmp_path
+    )
     assert len(notes) == 1 and "not bit-identical" in notes[0]
     assert checkpointing.check_resume_signature(signature(), signature(), tmp_path) == []
     assert checkpointing.check_resume_signature(None, signature(), tmp_path) == []

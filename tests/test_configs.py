@@ -2,9 +2,9 @@
 
 import dataclasses
 import shlex
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
@@ -14,7 +14,16 @@ from ft_accum.arguments import read_yaml_config
 
 ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
-EXPECTED = {"cpu", "single_gpu_fp16", "single_gpu_bf16", "multi_gpu_ddp", "multi_node_ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3_offload"}
+EXPECTED = {
+    "cpu",
+    "single_gpu_fp16",
+    "single_gpu_bf16",
+    "multi_gpu_ddp",
+    "multi_node_ddp",
+    "fsdp",
+    "deepspeed_zero2",
+    "deepspeed_zero3_offload",
+}
 
 
 def test_every_documented_accelerate_config_is_shipped():
@@ -51,7 +60,9 @@ def docstring_command(recipe: str) -> list[str]:
 
 
 # Generation in the evaluation dominates a 2-update seq2seq run: shorter sources and targets.
-EXTRA_CAPS = {"seq2seq": ["--max_source_length", "64", "--max_target_length", "8", "--per_device_eval_batch_size", "8"]}
+EXTRA_CAPS = {
+    "seq2seq": ["--max_source_length", "64", "--max_target_length", "8", "--per_device_eval_batch_size", "8"]
+}
 
 
 @pytest.mark.launch
@@ -59,8 +70,23 @@ EXTRA_CAPS = {"seq2seq": ["--max_source_length", "64", "--max_target_length", "8
 def test_docstring_command_runs(recipe, tmp_path):
     """The exact first line of the docstring, capped to a few samples so it runs in seconds."""
     cmd = docstring_command(recipe)
-    caps = ["--max_train_samples", "16", "--max_eval_samples", "8", "--num_train_epochs", "1", "--max_train_steps", "2",
-            "--output_dir", str(tmp_path), "--report_to", "none", "--checkpointing_steps", "1", *EXTRA_CAPS.get(recipe, [])]
+    caps = [
+        "--max_train_samples",
+        "16",
+        "--max_eval_samples",
+        "8",
+        "--num_train_epochs",
+        "1",
+        "--max_train_steps",
+        "2",
+        "--output_dir",
+        str(tmp_path),
+        "--report_to",
+        "none",
+        "--checkpointing_steps",
+        "1",
+        *EXTRA_CAPS.get(recipe, []),
+    ]
     accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
     result = subprocess.run([*accelerate, *cmd[2:], *caps], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -81,7 +107,13 @@ def test_help_lists_the_flags(recipe, capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "accelerate launch" in out  # the docstring, launch command first
-    for flag in ("--per_device_train_batch_size", "--effective_batch_size", "--base_batch_size", "--resume_from_checkpoint", "--measure_noise_scale"):
+    for flag in (
+        "--per_device_train_batch_size",
+        "--effective_batch_size",
+        "--base_batch_size",
+        "--resume_from_checkpoint",
+        "--measure_noise_scale",
+    ):
         assert flag in out
 
 

@@ -33,7 +33,12 @@ from ft_accum.sweep import process_tree
 pytestmark = pytest.mark.launch
 
 # 96 rows, 2 × 2 per update: 24 updates per epoch, 48 in all, a checkpoint after every one.
-COMMON = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "num_train_epochs": 2, "checkpointing_steps": 1}
+COMMON = {
+    "per_device_train_batch_size": 2,
+    "gradient_accumulation_steps": 2,
+    "num_train_epochs": 2,
+    "checkpointing_steps": 1,
+}
 TOTAL_UPDATES = 48
 
 
@@ -52,7 +57,9 @@ def dropout_model_dir(tmp_path_factory, tiny_model_dir):
 
     path = tmp_path_factory.mktemp("tiny-bert-dropout")
     shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
-    model = BertForSequenceClassification.from_pretrained(tiny_model_dir, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    model = BertForSequenceClassification.from_pretrained(
+        tiny_model_dir, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1
+    )
     model.save_pretrained(path)
     return path
 
@@ -66,7 +73,9 @@ def uninterrupted(tmp_path_factory, dropout_model_dir, data):
 
 def start(args: list[str], num_processes: int = 1) -> subprocess.Popen:
     cmd, env = launch_command("text_classification", args, num_processes)
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def completed_updates(out: Path) -> int:
@@ -116,7 +125,12 @@ def test_three_seeded_kills_then_resume_is_bit_identical(tmp_path, dropout_model
     # A random delay after update k is logged puts the kill somewhere inside update k + 1 (or its checkpoint).
     for target, command in ((first, args), (second, resume)):
         process = start(command)
-        kill_when(process, lambda target=target: completed_updates(out) >= target, f"update {target}", delay=rng.uniform(0, 0.05))
+        kill_when(
+            process,
+            lambda target=target: completed_updates(out) >= target,
+            f"update {target}",
+            delay=rng.uniform(0, 0.05),
+        )
     # The third kill lands while checkpoint step_<during_write> is being written: its .tmp folder exists.
     tmp = out / "checkpoints" / f".tmp-{checkpointing.checkpoint_name(during_write)}"
     process = start(resume)
@@ -127,12 +141,16 @@ def test_three_seeded_kills_then_resume_is_bit_identical(tmp_path, dropout_model
 
     launch("text_classification", resume)
 
-    assert [m["step"] for m in read_metrics(out)] == list(range(1, TOTAL_UPDATES + 1)), "an update is missing or logged twice"
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, TOTAL_UPDATES + 1)), (
+        "an update is missing or logged twice"
+    )
     assert not list((out / "checkpoints").glob(".tmp-*")), "the half-written checkpoint was not cleaned up"
     assert max_abs_difference(final_weights(out), final_weights(uninterrupted)) == 0.0
 
 
-def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_completes(tmp_path, dropout_model_dir, data, uninterrupted):
+def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_completes(
+    tmp_path, dropout_model_dir, data, uninterrupted
+):
     out = tmp_path / "run"
     process = start(tiny_args(dropout_model_dir, data, out, **COMMON))
     kill_when(process, lambda: completed_updates(out) >= 10, "update 10")
@@ -140,7 +158,9 @@ def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_completes(tmp_path
     weights = newest / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # what a full disk leaves
 
-    result = launch("text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **COMMON))
+    result = launch(
+        "text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **COMMON)
+    )
 
     assert f"skipping checkpoint {newest}" in result.stderr
     previous = checkpointing.checkpoint_name(int(newest.name.split("_")[1]) - 1)
@@ -159,7 +179,11 @@ def test_two_processes_killed_and_resumed_match_an_uninterrupted_two_process_run
     process = start(tiny_args(dropout_model_dir, data, out, **settings), num_processes=2)
     kill_when(process, lambda: completed_updates(out) >= 30, "update 30", delay=random.Random(7).uniform(0, 0.05))
     assert not (out / "final").exists()
-    result = launch("text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **settings), num_processes=2)
+    result = launch(
+        "text_classification",
+        tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **settings),
+        num_processes=2,
+    )
     resumed_at = int(result.stdout.split(" at update ")[1].split()[0])
     assert resumed_at < TOTAL_UPDATES, "nothing was left to resume"
 
@@ -167,7 +191,9 @@ def test_two_processes_killed_and_resumed_match_an_uninterrupted_two_process_run
     assert max_abs_difference(final_weights(out), final_weights(whole)) == 0.0
 
 
-def test_a_failed_checkpoint_write_stops_with_a_clear_error_and_keeps_the_previous_one(tmp_path, dropout_model_dir, data, uninterrupted):
+def test_a_failed_checkpoint_write_stops_with_a_clear_error_and_keeps_the_previous_one(
+    tmp_path, dropout_model_dir, data, uninterrupted
+):
     """A disk that fills up mid-save, simulated with RLIMIT_FSIZE: writes past the limit fail with EFBIG."""
     out = tmp_path / "run"
     process = start(tiny_args(dropout_model_dir, data, out, **COMMON))
@@ -182,12 +208,16 @@ def test_a_failed_checkpoint_write_stops_with_a_clear_error_and_keeps_the_previo
         resource.setrlimit(resource.RLIMIT_FSIZE, (model_bytes + 4096, model_bytes + 4096))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write with EFBIG instead of killing the process
 
-    cmd, env = launch_command("text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **COMMON))
+    cmd, env = launch_command(
+        "text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **COMMON)
+    )
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, preexec_fn=small_disk)
 
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "could not write checkpoint" in errors[0] and f"from the intact {previous}" in errors[0], result.stderr[-3000:]
+    assert (
+        len(errors) == 1 and "could not write checkpoint" in errors[0] and f"from the intact {previous}" in errors[0]
+    ), result.stderr[-3000:]
     assert 'text_classification.py", line' not in result.stderr, "a traceback from the recipe"
     assert checkpointing.latest_checkpoint(out) == previous and checkpointing.checkpoint_problem(previous) is None
     assert not list((out / "checkpoints").glob(".tmp-*")), "the partial checkpoint was left behind"

@@ -9,14 +9,40 @@ import json
 
 import pytest
 import torch
-from conftest import copy_checkpoint, error_of, final_weights, launch, max_abs_difference, read_metrics, relative_error, run_in_process
+from conftest import (
+    copy_checkpoint,
+    error_of,
+    final_weights,
+    launch,
+    max_abs_difference,
+    read_metrics,
+    relative_error,
+    run_in_process,
+)
 
-from ft_accum.norm import apply_batchnorm_policy, convert_batchnorm_to_groupnorm, find_batchnorm, freeze_batchnorm, group_count
+from ft_accum.norm import (
+    apply_batchnorm_policy,
+    convert_batchnorm_to_groupnorm,
+    find_batchnorm,
+    freeze_batchnorm,
+    group_count,
+)
 
 
 def image_args(output_dir, **overrides):
-    settings = {"max_train_samples": 64, "max_eval_samples": 32, "image_size": 16, "num_train_epochs": 1, "learning_rate": 0.01,
-                "lr_scaling": "none", "num_warmup_steps": 0, "weight_decay": 0.0, "output_dir": output_dir, "report_to": "none", "seed": 3}
+    settings = {
+        "max_train_samples": 64,
+        "max_eval_samples": 32,
+        "image_size": 16,
+        "num_train_epochs": 1,
+        "learning_rate": 0.01,
+        "lr_scaling": "none",
+        "num_warmup_steps": 0,
+        "weight_decay": 0.0,
+        "output_dir": output_dir,
+        "report_to": "none",
+        "seed": 3,
+    }
     settings.update(overrides)
     return [f"--{k}={v}" for k, v in settings.items() if v is not None]
 
@@ -28,9 +54,18 @@ def test_batchnorm_breaks_accumulation_and_groupnorm_or_freezing_restore_it(tmp_
     errors = {}
     for policy in ("keep", "groupnorm", "freeze"):
         for micro, accumulation in [(8, 1), (2, 4)]:
-            run_in_process("image_classification", image_args(tmp_path / f"{policy}-{micro}x{accumulation}", batchnorm=policy,
-                                                             per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation))
-        errors[policy] = relative_error(final_weights(tmp_path / f"{policy}-2x4"), final_weights(tmp_path / f"{policy}-8x1"))
+            run_in_process(
+                "image_classification",
+                image_args(
+                    tmp_path / f"{policy}-{micro}x{accumulation}",
+                    batchnorm=policy,
+                    per_device_train_batch_size=micro,
+                    gradient_accumulation_steps=accumulation,
+                ),
+            )
+        errors[policy] = relative_error(
+            final_weights(tmp_path / f"{policy}-2x4"), final_weights(tmp_path / f"{policy}-8x1")
+        )
     assert errors["keep"] > 1e-3, errors
     assert errors["groupnorm"] <= 1e-5, errors
     assert errors["freeze"] <= 1e-5, errors
@@ -39,7 +74,9 @@ def test_batchnorm_breaks_accumulation_and_groupnorm_or_freezing_restore_it(tmp_
 def test_groupnorm_conversion_keeps_the_affine_weights_and_divides_the_channels():
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    model = ResNetForImageClassification(ResNetConfig(embedding_size=12, hidden_sizes=[12, 40], depths=[1, 1], layer_type="basic"))
+    model = ResNetForImageClassification(
+        ResNetConfig(embedding_size=12, hidden_sizes=[12, 40], depths=[1, 1], layer_type="basic")
+    )
     bns = {name: model.get_submodule(name) for name in find_batchnorm(model)}
     with torch.no_grad():
         for bn in bns.values():
@@ -88,9 +125,18 @@ def mixed_mode_folders(tmp_path_factory):
 
 
 def test_an_image_folder_with_mixed_modes_trains(tmp_path, mixed_mode_folders, capsys):
-    results = run_in_process("image_classification", image_args(
-        tmp_path, train_dir=mixed_mode_folders / "train", validation_dir=mixed_mode_folders / "validation",
-        max_train_samples=None, max_eval_samples=None, per_device_train_batch_size=4, gradient_accumulation_steps=2))
+    results = run_in_process(
+        "image_classification",
+        image_args(
+            tmp_path,
+            train_dir=mixed_mode_folders / "train",
+            validation_dir=mixed_mode_folders / "validation",
+            max_train_samples=None,
+            max_eval_samples=None,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+        ),
+    )
     assert results["num_update_steps"] == 2 and 0.0 <= results["eval_accuracy"] <= 1.0
     assert "warning: the model has 9 BatchNorm layers in training mode" in capsys.readouterr().out
 
@@ -103,20 +149,34 @@ def test_groupnorm_on_a_model_without_batchnorm_is_a_notice_and_a_pretrained_mod
     image_processor_class = getattr(transformers, "ViTImageProcessorPil", transformers.ViTImageProcessor)
 
     model_dir = tmp_path / "tiny-vit"
-    config = ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    config = ViTConfig(
+        image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
     ViTForImageClassification(config).save_pretrained(model_dir)
     image_processor_class(size={"height": 16, "width": 16}).save_pretrained(model_dir)
-    run_in_process("image_classification", image_args(tmp_path / "out", model_name_or_path=model_dir, batchnorm="groupnorm",
-                                                      per_device_train_batch_size=8, gradient_accumulation_steps=2, max_train_steps=2))
+    run_in_process(
+        "image_classification",
+        image_args(
+            tmp_path / "out",
+            model_name_or_path=model_dir,
+            batchnorm="groupnorm",
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=2,
+            max_train_steps=2,
+        ),
+    )
     assert "notice: --batchnorm groupnorm: the model has no BatchNorm layers" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("overrides, fragments", [
-    ({"label_column": "digit"}, ["--label_column 'digit' is not a column", "image, label"]),
-    ({"image_column": "pixels"}, ["--image_column 'pixels' is not a column"]),
-    ({"train_dir": "/no/such/folder"}, ["--train_dir /no/such/folder is not a folder"]),
-    ({"batchnorm": "layernorm"}, ["--batchnorm must be one of keep, groupnorm, freeze"]),
-])
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        ({"label_column": "digit"}, ["--label_column 'digit' is not a column", "image, label"]),
+        ({"image_column": "pixels"}, ["--image_column 'pixels' is not a column"]),
+        ({"train_dir": "/no/such/folder"}, ["--train_dir /no/such/folder is not a folder"]),
+        ({"batchnorm": "layernorm"}, ["--batchnorm must be one of keep, groupnorm, freeze"]),
+    ],
+)
 def test_bad_image_inputs_stop_with_one_line(tmp_path, overrides, fragments):
     message = error_of("image_classification", image_args(tmp_path, **overrides))
     for fragment in fragments:
@@ -124,8 +184,16 @@ def test_bad_image_inputs_stop_with_one_line(tmp_path, overrides, fragments):
 
 
 def test_a_validation_class_the_training_folder_lacks_is_named(tmp_path, mixed_mode_folders):
-    message = error_of("image_classification", image_args(tmp_path, train_dir=mixed_mode_folders / "train", validation_dir=mixed_mode_folders / "unseen",
-                                                          max_train_samples=None, max_eval_samples=None))
+    message = error_of(
+        "image_classification",
+        image_args(
+            tmp_path,
+            train_dir=mixed_mode_folders / "train",
+            validation_dir=mixed_mode_folders / "unseen",
+            max_train_samples=None,
+            max_eval_samples=None,
+        ),
+    )
     assert "bird" in message, message
 
 
@@ -133,7 +201,12 @@ def test_a_validation_class_the_training_folder_lacks_is_named(tmp_path, mixed_m
 def test_launch_resume_and_pipeline(tmp_path):
     """A run checkpointed at update 3 of 6 (in-process), resumed from that checkpoint in a fresh
     folder through `accelerate launch`, ends bit-identical; the saved model loads into pipeline()."""
-    common = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, "max_train_samples": 96, "batchnorm": "groupnorm"}
+    common = {
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 4,
+        "max_train_samples": 96,
+        "batchnorm": "groupnorm",
+    }
     run_in_process("image_classification", image_args(tmp_path / "full", checkpointing_steps=3, **common))
     resumed = copy_checkpoint(tmp_path / "full", 3, tmp_path / "resumed")
     launch("image_classification", image_args(resumed, resume_from_checkpoint="latest", **common))

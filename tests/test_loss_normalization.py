@@ -6,7 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ft_accum.errors import ConfigError
-from ft_accum.loss_normalization import check_finite_window, check_skipped_updates, scale_gradients_, window_gradient_scale
+from ft_accum.loss_normalization import (
+    check_finite_window,
+    check_skipped_updates,
+    scale_gradients_,
+    window_gradient_scale,
+)
 
 
 def full_batch_gradient(model, x, y):
@@ -16,7 +21,10 @@ def full_batch_gradient(model, x, y):
 
 
 @settings(max_examples=40, deadline=None)
-@given(sizes=st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=4), min_size=1, max_size=3), nominal=st.integers(1, 8))
+@given(
+    sizes=st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=4), min_size=1, max_size=3),
+    nominal=st.integers(1, 8),
+)
 def test_corrected_accumulation_equals_the_full_batch_gradient(sizes, nominal):
     """sizes[p][i]: items in micro-batch i on process p; windows may be short and uneven.
 
@@ -49,7 +57,10 @@ def test_corrected_accumulation_equals_the_full_batch_gradient(sizes, nominal):
 
 
 def test_full_fixed_size_windows_need_no_correction():
-    assert window_gradient_scale(window_items=8 * 4 * 2, nominal_items=8, gradient_accumulation_steps=4, num_processes=2) == 1.0
+    assert (
+        window_gradient_scale(window_items=8 * 4 * 2, nominal_items=8, gradient_accumulation_steps=4, num_processes=2)
+        == 1.0
+    )
 
 
 def test_short_last_window_is_scaled_up():
@@ -65,9 +76,18 @@ def test_empty_window_is_an_error():
 def test_a_non_finite_window_names_the_update_micro_batch_and_checkpoint():
     check_finite_window(2.5, [1.0, 1.5], update=3, process_index=0, last_checkpoint=None)  # finite: no error
     with pytest.raises(ConfigError) as error:
-        check_finite_window(float("nan"), [1.0, float("inf"), 2.0], update=7, process_index=1, last_checkpoint="out/checkpoints/step_000006")
+        check_finite_window(
+            float("nan"),
+            [1.0, float("inf"), 2.0],
+            update=7,
+            process_index=1,
+            last_checkpoint="out/checkpoints/step_000006",
+        )
     message = str(error.value)
-    assert "at update 7, micro-batch 2 of 3 on process 1" in message and "nothing was saved after out/checkpoints/step_000006" in message
+    assert (
+        "at update 7, micro-batch 2 of 3 on process 1" in message
+        and "nothing was saved after out/checkpoints/step_000006" in message
+    )
     with pytest.raises(ConfigError, match="a micro-batch of another process"):
         check_finite_window(float("inf"), [1.0, 2.0], update=7, process_index=0, last_checkpoint=None)
 

@@ -13,18 +13,35 @@ from ft_accum.errors import ConfigError
 
 
 def tiny_gpt2(layers=2):
-    return GPT2Config(vocab_size=512, n_positions=256, n_embd=64, n_layer=layers, n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    return GPT2Config(
+        vocab_size=512, n_positions=256, n_embd=64, n_layer=layers, n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
 
 
 def tiny_llama(layers=2):
-    return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
 
 
-@pytest.mark.parametrize("name, task, published_millions", [
-    ("gpt2-124m", "causal_lm", 124.4), ("bert-base-uncased", "text_classification", 109.5), ("t5-base", "seq2seq", 222.9),
-    ("qwen2.5-0.5b", "causal_lm", 494.0), ("qwen2.5-1.5b", "causal_lm", 1543.7), ("llama-3.1-8b", "causal_lm", 8030.3),
-])
+@pytest.mark.parametrize(
+    "name, task, published_millions",
+    [
+        ("gpt2-124m", "causal_lm", 124.4),
+        ("bert-base-uncased", "text_classification", 109.5),
+        ("t5-base", "seq2seq", 222.9),
+        ("qwen2.5-0.5b", "causal_lm", 494.0),
+        ("qwen2.5-1.5b", "causal_lm", 1543.7),
+        ("llama-3.1-8b", "causal_lm", 8030.3),
+    ],
+)
 def test_shipped_configs_have_the_published_sizes(name, task, published_millions):
     FakeTensorMode, _ = mp._private_tools()
     with FakeTensorMode():
@@ -44,7 +61,9 @@ def test_parameter_gradient_and_adam_state_bytes_equal_the_analytic_count(config
     numel = sum(p.numel() for p in unique.values())
     assert seen["parameters"] == 4 * numel + sum(b.numel() * b.element_size() for b in model.buffers())
     assert seen["gradients"] == 4 * numel
-    assert seen["optimizer_state"] == 2 * 4 * numel + 4 * len(unique)  # exp_avg, exp_avg_sq, and a float32 step per tensor
+    assert seen["optimizer_state"] == 2 * 4 * numel + 4 * len(
+        unique
+    )  # exp_avg, exp_avg_sq, and a float32 step per tensor
     # After backward every activation is freed: what is alive is weights, gradients, state, and the
     # batch tensors the model touched (input_ids, maybe attention_mask: 4 × 64 int64 each).
     extra = seen["live"] - (seen["parameters"] + seen["gradients"] + seen["optimizer_state"])
@@ -54,7 +73,11 @@ def test_parameter_gradient_and_adam_state_bytes_equal_the_analytic_count(config
 def test_activation_memory_grows_linearly_in_the_micro_batch():
     traced = mp.trace_micro_batches(tiny_llama(), [2, 4, 8, 16], task="causal_lm", seq_len=128)
     activations = {m: backward.activations_gradients_temporaries for m, (backward, _) in traced.items()}
-    steps = [activations[4] - activations[2], (activations[8] - activations[4]) / 2, (activations[16] - activations[8]) / 4]
+    steps = [
+        activations[4] - activations[2],
+        (activations[8] - activations[4]) / 2,
+        (activations[16] - activations[8]) / 4,
+    ]
     assert max(steps) / min(steps) < 1.02, steps
 
 
@@ -120,40 +143,74 @@ def test_plan_recommends_the_fastest_split_that_fits(tmp_path):
     big = mp.plan(str(config_file), task="causal_lm", seq_len=128, effective_batch_size=16, gpu_memory_gib=80)
     assert big["recommended"]["per_device_train_batch_size"] == 16 and not big["recommended"]["gradient_checkpointing"]
     # A card where micro-batch 4 without checkpointing just fits, and 16 does not.
-    peak_4 = next(r["peak_gib"] for r in big["candidates"] if r["per_device_train_batch_size"] == 4 and not r["gradient_checkpointing"])
-    small = mp.plan(str(config_file), task="causal_lm", seq_len=128, effective_batch_size=16,
-                    gpu_memory_gib=peak_4 * mp.FRAGMENTATION + mp.CUDA_OVERHEAD_GIB + 1e-6)
+    peak_4 = next(
+        r["peak_gib"]
+        for r in big["candidates"]
+        if r["per_device_train_batch_size"] == 4 and not r["gradient_checkpointing"]
+    )
+    small = mp.plan(
+        str(config_file),
+        task="causal_lm",
+        seq_len=128,
+        effective_batch_size=16,
+        gpu_memory_gib=peak_4 * mp.FRAGMENTATION + mp.CUDA_OVERHEAD_GIB + 1e-6,
+    )
     best = small["recommended"]
     assert best is not None and best["fits"] and best["per_device_train_batch_size"] < 16
     assert best["per_device_train_batch_size"] * best["gradient_accumulation_steps"] == 16
-    faster_fitting = [r for r in small["candidates"] if r["fits"] and r["relative_throughput"] > best["relative_throughput"]]
+    faster_fitting = [
+        r for r in small["candidates"] if r["fits"] and r["relative_throughput"] > best["relative_throughput"]
+    ]
     assert not faster_fitting
 
 
 def test_plan_cli_offline_with_a_config_file_and_json(tmp_path):
     config_file = tmp_path / "config.json"
     config_file.write_text(tiny_gpt2().to_json_string())
-    command = [sys.executable, "-m", "ft_accum.cli", "plan", "--config", str(config_file), "--seq_len", "64", "--effective_batch_size", "8",
-               "--gpu_memory", "1GiB"]
+    command = [
+        sys.executable,
+        "-m",
+        "ft_accum.cli",
+        "plan",
+        "--config",
+        str(config_file),
+        "--seq_len",
+        "64",
+        "--effective_batch_size",
+        "8",
+        "--gpu_memory",
+        "1GiB",
+    ]
     table = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert table.returncode == 0, table.stderr
     assert "recommended: --per_device_train_batch_size 8 --gradient_accumulation_steps 1" in table.stdout
-    result = json.loads(subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=300, check=True).stdout)
+    result = json.loads(
+        subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=300, check=True).stdout
+    )
     assert {r["per_device_train_batch_size"] for r in result["candidates"]} == {1, 2, 4, 8}
     assert result["recommended"]["per_device_train_batch_size"] == 8
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"model": "no-such-org/no-such-model"}, "pass --config path/to/config.json"),
-    ({"gpu_memory_gib": 0.1}, "the weights and optimizer state alone need"),
-    ({"effective_batch_size": 10, "num_processes": 3}, "does not split over 3 process(es)"),
-    ({"task": "seq2seq"}, "has no seq2seq head"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"model": "no-such-org/no-such-model"}, "pass --config path/to/config.json"),
+        ({"gpu_memory_gib": 0.1}, "the weights and optimizer state alone need"),
+        ({"effective_batch_size": 10, "num_processes": 3}, "does not split over 3 process(es)"),
+        ({"task": "seq2seq"}, "has no seq2seq head"),
+    ],
+)
 def test_plan_bad_input(overrides, message, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config_file = tmp_path / "config.json"
     config_file.write_text(tiny_gpt2().to_json_string())
-    settings = {"model": str(config_file), "task": "causal_lm", "seq_len": 64, "effective_batch_size": 8, "gpu_memory_gib": 12} | overrides
+    settings = {
+        "model": str(config_file),
+        "task": "causal_lm",
+        "seq_len": 64,
+        "effective_batch_size": 8,
+        "gpu_memory_gib": 12,
+    } | overrides
     with pytest.raises(ConfigError) as error:
         mp.plan(settings.pop("model"), **settings)
     assert message in str(error.value)

@@ -16,14 +16,17 @@ def test_accuracy_and_f1_match_sklearn(seed):
     rng = np.random.default_rng(seed)
     refs, preds = rng.integers(0, 4, 50), rng.integers(0, 4, 50)
     assert load_metric("accuracy").compute(predictions=preds, references=refs)["accuracy"] == pytest.approx(
-        sklearn_metrics.accuracy_score(refs, preds))
+        sklearn_metrics.accuracy_score(refs, preds)
+    )
     f1 = load_metric("f1")
     for average in ("macro", "micro"):
         assert f1.compute(predictions=preds, references=refs, average=average)["f1"] == pytest.approx(
-            sklearn_metrics.f1_score(refs, preds, average=average))
+            sklearn_metrics.f1_score(refs, preds, average=average)
+        )
     binary_refs, binary_preds = refs % 2, preds % 2
     assert f1.compute(predictions=binary_preds, references=binary_refs)["f1"] == pytest.approx(
-        sklearn_metrics.f1_score(binary_refs, binary_preds))
+        sklearn_metrics.f1_score(binary_refs, binary_preds)
+    )
 
 
 def test_metrics_load_with_the_hub_unreachable(monkeypatch):

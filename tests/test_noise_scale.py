@@ -7,7 +7,9 @@ from ft_accum.errors import ConfigError
 from ft_accum.noise_scale import noise_scale, noise_scale_terms, register_micro_batch_hooks, update_ema
 
 
-def measured_noise_scale(sigma2: float, updates: int = 400, micro: int = 8, accumulation: int = 4, dim: int = 50, seed: int = 0) -> float:
+def measured_noise_scale(
+    sigma2: float, updates: int = 400, micro: int = 8, accumulation: int = 4, dim: int = 50, seed: int = 0
+) -> float:
     """Per-sample loss ½‖w − x‖² with x ~ N(μ, σ²I): per-sample gradients w − x, so G = w − μ,
     |G|² = dim (w − μ = 1), tr Σ = dim·σ², and B_simple = σ². Gradients come from real backward
     passes, accumulated the way the recipes do (summed loss / (micro × N) per micro-batch)."""
@@ -69,17 +71,25 @@ def test_measuring_does_not_change_the_run_and_logs_the_terms(tmp_path, tiny_mod
 
     common = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 3, "num_train_epochs": 2}
     run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path / "plain", **common))
-    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path / "measured", measure_noise_scale=True, **common))
+    run_in_process(
+        "text_classification",
+        tiny_args(tiny_model_dir, data_files, tmp_path / "measured", measure_noise_scale=True, **common),
+    )
     assert max_abs_difference(final_weights(tmp_path / "measured"), final_weights(tmp_path / "plain")) == 0.0
     records = read_metrics(tmp_path / "measured")
-    assert all(r["grad_sq_small"] > r["grad_sq_big"] > 0 for r in records), "a micro-batch's gradient is noisier than the window's"
+    assert all(r["grad_sq_small"] > r["grad_sq_big"] > 0 for r in records), (
+        "a micro-batch's gradient is noisier than the window's"
+    )
     assert "noise scale" in capsys.readouterr().out
 
 
 def test_measuring_needs_two_batch_sizes(tmp_path, tiny_model_dir, data_files):
     from conftest import error_of, tiny_args
 
-    message = error_of("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=4, measure_noise_scale=True))
+    message = error_of(
+        "text_classification",
+        tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=4, measure_noise_scale=True),
+    )
     assert "--measure_noise_scale" in message and "--gradient_accumulation_steps ≥ 2" in message
 
 
@@ -90,10 +100,31 @@ def test_the_hooks_see_each_process_own_micro_batch_gradient_under_ddp(tmp_path,
     micro-batch, the mean |g_b|² of the two runs would differ."""
     from conftest import launch, read_metrics, tiny_args
 
-    launch("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path / "ddp", per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                            measure_noise_scale=True, max_train_steps=3), num_processes=2)
-    launch("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path / "one", per_device_train_batch_size=2, gradient_accumulation_steps=4,
-                                            measure_noise_scale=True, max_train_steps=3))
+    launch(
+        "text_classification",
+        tiny_args(
+            tiny_model_dir,
+            data_files,
+            tmp_path / "ddp",
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            measure_noise_scale=True,
+            max_train_steps=3,
+        ),
+        num_processes=2,
+    )
+    launch(
+        "text_classification",
+        tiny_args(
+            tiny_model_dir,
+            data_files,
+            tmp_path / "one",
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=4,
+            measure_noise_scale=True,
+            max_train_steps=3,
+        ),
+    )
     ddp, one = read_metrics(tmp_path / "ddp"), read_metrics(tmp_path / "one")
     for a, b in zip(ddp, one):
         assert a["grad_sq_small"] == pytest.approx(b["grad_sq_small"], rel=1e-5)
@@ -143,12 +174,17 @@ def test_unequal_micro_batches_are_weighted_by_their_true_share():
     assert not weighted_estimate([1, 2, 4, 25], harmonic=False) == pytest.approx(10.0, rel=0.5)
 
 
-def test_lm_measurement_is_in_target_tokens_and_does_not_change_the_run(tmp_path, tiny_gpt2_dir, lm_data_files, capsys):
+def test_lm_measurement_is_in_target_tokens_and_does_not_change_the_run(
+    tmp_path, tiny_gpt2_dir, lm_data_files, capsys
+):
     from conftest import final_weights, max_abs_difference, read_metrics, run_in_process, tiny_lm_args
 
     common = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "max_train_steps": 4}
     run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path / "plain", **common))
-    run_in_process("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path / "measured", measure_noise_scale=True, **common))
+    run_in_process(
+        "causal_lm",
+        tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path / "measured", measure_noise_scale=True, **common),
+    )
     assert max_abs_difference(final_weights(tmp_path / "measured"), final_weights(tmp_path / "plain")) == 0.0
     records = read_metrics(tmp_path / "measured")
     assert all(r["grad_sq_small"] > r["grad_sq_big"] > 0 and "noise_scale" in r for r in records)

@@ -2,7 +2,13 @@
 
 import json
 
-from ft_accum.offline_assets import BBC_NUM_ARTICLES, BBC_TOPICS, bundled_minilm_dir, bundled_smollm2_dir, load_bbc_news
+from ft_accum.offline_assets import (
+    BBC_NUM_ARTICLES,
+    BBC_TOPICS,
+    bundled_minilm_dir,
+    bundled_smollm2_dir,
+    load_bbc_news,
+)
 
 
 def test_bbc_news_split_is_complete_and_stratified():

@@ -12,8 +12,18 @@ pytest.importorskip("matplotlib")
 def two_runs(tmp_path_factory, tiny_model_dir, data_files):
     root = tmp_path_factory.mktemp("report-runs")
     for name, accumulation in (("accum2", 2), ("accum4", 4)):
-        run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, root / "sweep" / name, per_device_train_batch_size=4,
-                                                        gradient_accumulation_steps=accumulation, num_train_epochs=2, measure_noise_scale=True))
+        run_in_process(
+            "text_classification",
+            tiny_args(
+                tiny_model_dir,
+                data_files,
+                root / "sweep" / name,
+                per_device_train_batch_size=4,
+                gradient_accumulation_steps=accumulation,
+                num_train_epochs=2,
+                measure_noise_scale=True,
+            ),
+        )
     return root / "sweep"
 
 

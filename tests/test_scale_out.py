@@ -21,9 +21,24 @@ pytestmark = pytest.mark.launch
 
 
 def test_ddp_with_sync_each_batch_matches_one_full_batch_process(tmp_path, tiny_model_dir, data_files):
-    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1))
-    launch("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path / "ddp", per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                            sync_each_batch=True), num_processes=2)
+    run_in_process(
+        "text_classification",
+        tiny_args(
+            tiny_model_dir, data_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1
+        ),
+    )
+    launch(
+        "text_classification",
+        tiny_args(
+            tiny_model_dir,
+            data_files,
+            tmp_path / "ddp",
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            sync_each_batch=True,
+        ),
+        num_processes=2,
+    )
     results = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
     assert results["distributed_type"] == "MULTI_CPU" and results["num_processes"] == 2, results
     assert_same_run(tmp_path / "ddp", tmp_path / "full")
@@ -31,15 +46,33 @@ def test_ddp_with_sync_each_batch_matches_one_full_batch_process(tmp_path, tiny_
 
 def test_fsdp_on_a_cpu_only_machine_stops_instead_of_running_two_lone_processes(tmp_path, tiny_model_dir, data_files):
     config = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp.yaml").read_text())
-    assert config["distributed_type"] == "FSDP" and config["fsdp_config"]["fsdp_version"] == 2 and config["num_processes"] == 2
+    assert (
+        config["distributed_type"] == "FSDP"
+        and config["fsdp_config"]["fsdp_version"] == 2
+        and config["num_processes"] == 2
+    )
     config["mixed_precision"] = "no"  # the shipped bf16 is beside the point here
     path = tmp_path / "fsdp.yaml"
     path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), "--main_process_port", str(free_port()),
-               str(RECIPES / "text_classification.py"), *tiny_args(tiny_model_dir, data_files, tmp_path / "out", max_train_steps=1)]
-    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(path),
+        "--main_process_port",
+        str(free_port()),
+        str(RECIPES / "text_classification.py"),
+        *tiny_args(tiny_model_dir, data_files, tmp_path / "out", max_train_steps=1),
+    ]
+    result = subprocess.run(
+        command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
     assert result.returncode != 0
-    assert "error: accelerate launch started 2 processes, but each one runs alone (NO, 1 process)" in result.stderr + result.stdout
+    assert (
+        "error: accelerate launch started 2 processes, but each one runs alone (NO, 1 process)"
+        in result.stderr + result.stdout
+    )
     assert not (tmp_path / "out" / "all_results.json").exists()
 
 
@@ -57,8 +90,13 @@ def test_deepspeed_refuses_token_weighted_losses_and_warns_about_the_short_windo
 
     printed = []
     monkeypatch.setenv("WORLD_SIZE", "2")
-    accelerator = SimpleNamespace(mixed_precision="bf16", device=torch.device("cpu"), num_processes=2, distributed_type=DistributedType.DEEPSPEED,
-                                  print=printed.append)
+    accelerator = SimpleNamespace(
+        mixed_precision="bf16",
+        device=torch.device("cpu"),
+        num_processes=2,
+        distributed_type=DistributedType.DEEPSPEED,
+        print=printed.append,
+    )
     with pytest.raises(ConfigError, match="DeepSpeed cannot run this recipe exactly.*tokens.*DDP"):
         check_accelerator(accelerator, loss_weighted_by="tokens")
     check_accelerator(accelerator)

@@ -9,7 +9,19 @@ import random
 
 import pytest
 import torch
-from conftest import copy_checkpoint, COMMON, TOPICS, assert_same_run, error_of, final_weights, launch, max_abs_difference, read_metrics, run_in_process, write_jsonl
+from conftest import (
+    COMMON,
+    TOPICS,
+    assert_same_run,
+    copy_checkpoint,
+    error_of,
+    final_weights,
+    launch,
+    max_abs_difference,
+    read_metrics,
+    run_in_process,
+    write_jsonl,
+)
 
 
 def pairs(n: int, seed: int) -> list[dict]:
@@ -25,7 +37,10 @@ def pairs(n: int, seed: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def pair_files(tmp_path_factory):
     path = tmp_path_factory.mktemp("pairs")
-    return {"train": write_jsonl(path / "train.jsonl", pairs(48, seed=1)), "validation": write_jsonl(path / "validation.jsonl", pairs(8, seed=2))}
+    return {
+        "train": write_jsonl(path / "train.jsonl", pairs(48, seed=1)),
+        "validation": write_jsonl(path / "validation.jsonl", pairs(8, seed=2)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -36,37 +51,77 @@ def tiny_t5_dir(tmp_path_factory, tiny_model_dir):
     path = tmp_path_factory.mktemp("tiny-t5")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.save_pretrained(path)
-    config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2, dropout_rate=0.0,
-                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.sep_token_id, decoder_start_token_id=tokenizer.pad_token_id)
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        d_kv=16,
+        d_ff=64,
+        num_layers=1,
+        num_heads=2,
+        dropout_rate=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.sep_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     T5ForConditionalGeneration(config).save_pretrained(path)
     return path
 
 
 def s2s_args(model_dir, data, output_dir, **overrides):
-    settings = {"model_name_or_path": model_dir, "train_file": data["train"], "validation_file": data["validation"], "max_source_length": 48,
-                "max_target_length": 16, "learning_rate": 1e-3, "lr_scaling": "none", "num_warmup_steps": 0, "weight_decay": 0.0,
-                "num_train_epochs": 1, "output_dir": output_dir, "report_to": "none", "seed": 7}
+    settings = {
+        "model_name_or_path": model_dir,
+        "train_file": data["train"],
+        "validation_file": data["validation"],
+        "max_source_length": 48,
+        "max_target_length": 16,
+        "learning_rate": 1e-3,
+        "lr_scaling": "none",
+        "num_warmup_steps": 0,
+        "weight_decay": 0.0,
+        "num_train_epochs": 1,
+        "output_dir": output_dir,
+        "report_to": "none",
+        "seed": 7,
+    }
     settings.update(overrides)
     return [f"--{k}={v}" for k, v in settings.items() if v is not None]
 
 
 @pytest.mark.parametrize("model", ["t5", "warm-started bert2bert"])
-def test_accumulation_matches_the_full_batch_with_varying_target_lengths(tmp_path, model, tiny_t5_dir, tiny_model_dir, pair_files):
+def test_accumulation_matches_the_full_batch_with_varying_target_lengths(
+    tmp_path, model, tiny_t5_dir, tiny_model_dir, pair_files
+):
     model_dir = tiny_t5_dir if model == "t5" else tiny_model_dir
-    results = run_in_process("seq2seq", s2s_args(model_dir, pair_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1))
-    run_in_process("seq2seq", s2s_args(model_dir, pair_files, tmp_path / "accum", per_device_train_batch_size=2, gradient_accumulation_steps=4))
-    counts = [b["tokens_seen"] - a["tokens_seen"] for a, b in zip([{"tokens_seen": 0}] + read_metrics(tmp_path / "full"), read_metrics(tmp_path / "full"))]
+    results = run_in_process(
+        "seq2seq",
+        s2s_args(
+            model_dir, pair_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1
+        ),
+    )
+    run_in_process(
+        "seq2seq",
+        s2s_args(
+            model_dir, pair_files, tmp_path / "accum", per_device_train_batch_size=2, gradient_accumulation_steps=4
+        ),
+    )
+    counts = [
+        b["tokens_seen"] - a["tokens_seen"]
+        for a, b in zip([{"tokens_seen": 0}] + read_metrics(tmp_path / "full"), read_metrics(tmp_path / "full"))
+    ]
     assert len(set(counts)) > 3, f"the target-token count should vary per update: {counts}"
     assert_same_run(tmp_path / "accum", tmp_path / "full")
     assert {"eval_rouge1", "eval_rougeL", "initial_eval_rougeL", "eval_loss"} <= set(results)
 
 
-@pytest.mark.parametrize("overrides, fragments", [
-    ({"target_column": "summary"}, ["--target_column 'summary' is not a column", "source, target"]),
-    ({"max_source_length": 1}, ["--max_source_length must be ≥ 2"]),
-    ({"max_source_length": 512}, ["--max_source_length 512 is longer than the model's 64 positions"]),
-])
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        ({"target_column": "summary"}, ["--target_column 'summary' is not a column", "source, target"]),
+        ({"max_source_length": 1}, ["--max_source_length must be ≥ 2"]),
+        ({"max_source_length": 512}, ["--max_source_length 512 is longer than the model's 64 positions"]),
+    ],
+)
 def test_bad_seq2seq_inputs_stop_with_one_line(tmp_path, tiny_model_dir, pair_files, overrides, fragments):
     message = error_of("seq2seq", s2s_args(tiny_model_dir, pair_files, tmp_path, **overrides))
     for fragment in fragments:
@@ -76,7 +131,9 @@ def test_bad_seq2seq_inputs_stop_with_one_line(tmp_path, tiny_model_dir, pair_fi
 @pytest.mark.launch
 def test_launch_and_resume(tmp_path, tiny_t5_dir, pair_files):
     common = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "num_beams": 2}
-    run_in_process("seq2seq", s2s_args(tiny_t5_dir, pair_files, tmp_path / "full", checkpointing_steps=3, **common))  # the resume goes through the CLI
+    run_in_process(
+        "seq2seq", s2s_args(tiny_t5_dir, pair_files, tmp_path / "full", checkpointing_steps=3, **common)
+    )  # the resume goes through the CLI
     resumed = copy_checkpoint(tmp_path / "full", 3, tmp_path / "resumed")
     launch("seq2seq", s2s_args(tiny_t5_dir, pair_files, resumed, resume_from_checkpoint="latest", **common))
     assert [r["step"] for r in read_metrics(resumed)] == [4, 5, 6]
@@ -86,12 +143,25 @@ def test_launch_and_resume(tmp_path, tiny_t5_dir, pair_files):
 @pytest.mark.launch
 def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_t5_dir, pair_files):
     """Real DDP over gloo: target tokens counted over both processes; generation gathered across them."""
-    full = run_in_process("seq2seq", s2s_args(tiny_t5_dir, pair_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1))
-    launch("seq2seq", s2s_args(tiny_t5_dir, pair_files, tmp_path / "ddp", per_device_train_batch_size=2, gradient_accumulation_steps=2), num_processes=2)
+    full = run_in_process(
+        "seq2seq",
+        s2s_args(
+            tiny_t5_dir, pair_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1
+        ),
+    )
+    launch(
+        "seq2seq",
+        s2s_args(
+            tiny_t5_dir, pair_files, tmp_path / "ddp", per_device_train_batch_size=2, gradient_accumulation_steps=2
+        ),
+        num_processes=2,
+    )
     ddp = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
     assert ddp["num_processes"] == 2 and ddp["distributed_type"] == "MULTI_CPU"
     assert_same_run(tmp_path / "ddp", tmp_path / "full")
-    assert ddp["eval_rougeL"] == pytest.approx(full["eval_rougeL"], abs=1e-6) and ddp["eval_loss"] == pytest.approx(full["eval_loss"], rel=1e-5)
+    assert ddp["eval_rougeL"] == pytest.approx(full["eval_rougeL"], abs=1e-6) and ddp["eval_loss"] == pytest.approx(
+        full["eval_loss"], rel=1e-5
+    )
 
 
 def test_every_trainable_parameter_of_a_warm_start_gets_a_gradient(tmp_path, tiny_model_dir):

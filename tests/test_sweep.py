@@ -15,16 +15,39 @@ from conftest import CPU_CONFIG, ROOT, final_weights, max_abs_difference, run_in
 from ft_accum import sweep as sweep_module
 from ft_accum.cli import main as cli_main
 
-TINY = {"max_seq_length": 48, "learning_rate": 1e-3, "lr_scaling": "none", "num_warmup_steps": 0, "weight_decay": 0.0, "num_train_epochs": 1,
-        "report_to": "none", "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
+TINY = {
+    "max_seq_length": 48,
+    "learning_rate": 1e-3,
+    "lr_scaling": "none",
+    "num_warmup_steps": 0,
+    "weight_decay": 0.0,
+    "num_train_epochs": 1,
+    "report_to": "none",
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 2,
+}
 
 
 def write_sweep(tmp_path, tiny_model_dir, data_files, name="sweep.yaml", **spec):
-    base = {**TINY, "model_name_or_path": str(tiny_model_dir), "train_file": str(data_files["train"]),
-            "validation_file": str(data_files["validation"]), **spec.pop("base", {})}
+    base = {
+        **TINY,
+        "model_name_or_path": str(tiny_model_dir),
+        "train_file": str(data_files["train"]),
+        "validation_file": str(data_files["validation"]),
+        **spec.pop("base", {}),
+    }
     path = tmp_path / name
-    path.write_text(yaml.safe_dump({"recipe": "text_classification", "accelerate_config": str(CPU_CONFIG),
-                                    "output_dir": str(tmp_path / "sweep_out"), "base": base, **spec}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "recipe": "text_classification",
+                "accelerate_config": str(CPU_CONFIG),
+                "output_dir": str(tmp_path / "sweep_out"),
+                "base": base,
+                **spec,
+            }
+        )
+    )
     return path
 
 
@@ -43,7 +66,13 @@ def read_state(tmp_path):
 
 @pytest.mark.launch
 def test_a_grid_of_four_runs_finishes_with_real_metrics(tmp_path, tiny_model_dir, data_files):
-    path = write_sweep(tmp_path, tiny_model_dir, data_files, base={"max_train_steps": 2}, grid={"learning_rate": [1e-3, 3e-3], "seed": [1, 2]})
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        data_files,
+        base={"max_train_steps": 2},
+        grid={"learning_rate": [1e-3, 3e-3], "seed": [1, 2]},
+    )
     result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = read_results(tmp_path)
@@ -68,7 +97,9 @@ def test_one_failing_run_leaves_the_others_finished(tmp_path, tiny_model_dir, da
 
 
 @pytest.mark.launch
-def test_a_run_that_runs_out_of_memory_is_replanned_with_the_same_effective_batch(tmp_path, tiny_model_dir, data_files):
+def test_a_run_that_runs_out_of_memory_is_replanned_with_the_same_effective_batch(
+    tmp_path, tiny_model_dir, data_files
+):
     # Fault injection in the child processes: any training forward with more than 4 samples fails
     # as a CUDA OOM would. The recipe runs without --auto_micro_batch, so the run dies of it.
     inject = tmp_path / "inject"
@@ -85,8 +116,13 @@ def test_a_run_that_runs_out_of_memory_is_replanned_with_the_same_effective_batc
         "        return forward(self, input_ids=input_ids, **kwargs)\n"
         "    BertForSequenceClassification.forward = limited\n"
     )
-    path = write_sweep(tmp_path, tiny_model_dir, data_files, base={"max_train_steps": 2, "gradient_accumulation_steps": None},
-                       runs=[{"per_device_train_batch_size": 8, "effective_batch_size": 16}])
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        data_files,
+        base={"max_train_steps": 2, "gradient_accumulation_steps": None},
+        runs=[{"per_device_train_batch_size": 8, "effective_batch_size": 16}],
+    )
     spec = yaml.safe_load(path.read_text())
     spec["base"] = {k: v for k, v in spec["base"].items() if v is not None}
     path.write_text(yaml.safe_dump(spec))
@@ -97,15 +133,26 @@ def test_a_run_that_runs_out_of_memory_is_replanned_with_the_same_effective_batc
     assert record["status"] == "replanned" and record["attempts"] == 2
     assert record["replanned_args"]["per_device_train_batch_size"] == 4
     (row,) = read_results(tmp_path)
-    assert row["effective_batch_size"] == "16" and row["per_device_train_batch_size"] == "4" and row["status"] == "replanned"
+    assert (
+        row["effective_batch_size"] == "16"
+        and row["per_device_train_batch_size"] == "4"
+        and row["status"] == "replanned"
+    )
 
 
 @pytest.mark.launch
 def test_a_killed_sweep_resumes_without_repeating_finished_runs(tmp_path, tiny_model_dir, data_files):
-    path = write_sweep(tmp_path, tiny_model_dir, data_files, base={"checkpointing_steps": 1, "per_device_train_batch_size": 2},
-                       grid={"seed": [1, 2, 3, 4]})
+    path = write_sweep(
+        tmp_path,
+        tiny_model_dir,
+        data_files,
+        base={"checkpointing_steps": 1, "per_device_train_batch_size": 2},
+        grid={"seed": [1, 2, 3, 4]},
+    )
     out = tmp_path / "sweep_out"
-    process = subprocess.Popen(sweep_command(path), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        sweep_command(path), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 600
     while not (out / "seed=2" / "checkpoints" / "step_000003").exists():
         assert process.poll() is None and time.time() < deadline, "the sweep ended before run 2 could be interrupted"
@@ -128,8 +175,15 @@ def test_a_killed_sweep_resumes_without_repeating_finished_runs(tmp_path, tiny_m
     assert state["seed=2"]["attempts"] == 2 and "Resumed from" in (out / "seed=2" / "log.txt").read_text()
     # Run 2, resumed, ends where an uninterrupted run with its settings ends.
     whole = tmp_path / "whole"
-    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, whole, **{**TINY, "checkpointing_steps": 1,
-                                                                                        "per_device_train_batch_size": 2, "seed": 2}))
+    run_in_process(
+        "text_classification",
+        tiny_args(
+            tiny_model_dir,
+            data_files,
+            whole,
+            **{**TINY, "checkpointing_steps": 1, "per_device_train_batch_size": 2, "seed": 2},
+        ),
+    )
     assert max_abs_difference(final_weights(out / "seed=2"), final_weights(whole)) == 0.0
 
 
@@ -146,7 +200,12 @@ def test_an_edited_sweep_file_is_detected(tmp_path, tiny_model_dir, data_files, 
     cli_main(["sweep", str(path), "--dry-run"])
     listing = capsys.readouterr().out
     assert "3 run(s)" in listing and "lr=0.001" in listing and "ok" in listing and "lr=0.01 " in listing
-    assert sweep_module.reconcile_state(sweep_module.load_sweep(path), tmp_path / "sweep_out")["runs"]["lr=0.01"]["status"] == "pending"
+    assert (
+        sweep_module.reconcile_state(sweep_module.load_sweep(path), tmp_path / "sweep_out")["runs"]["lr=0.01"][
+            "status"
+        ]
+        == "pending"
+    )
 
     # A changed base setting changes runs already queued: refused, not mixed.
     path.write_text(path.read_text().replace("num_train_epochs: 1", "num_train_epochs: 2"))
@@ -154,13 +213,16 @@ def test_an_edited_sweep_file_is_detected(tmp_path, tiny_model_dir, data_files, 
         cli_main(["sweep", str(path)])
 
 
-@pytest.mark.parametrize("spec, argv, message", [
-    ({"recipe": "no_such_recipe"}, [], "unknown recipe 'no_such_recipe'"),
-    ({"grid": {"learning_rat": [1e-3]}}, [], "learning_rat is not a setting of text_classification.py"),
-    ({"grid": {}}, [], "the grid is empty"),
-    ({"grid": {"learning_rate": []}}, [], "the grid is empty"),
-    ({"grid": {"seed": [1]}}, ["--time_budget", "eight hours"], "cannot read the duration 'eight hours'"),
-])
+@pytest.mark.parametrize(
+    "spec, argv, message",
+    [
+        ({"recipe": "no_such_recipe"}, [], "unknown recipe 'no_such_recipe'"),
+        ({"grid": {"learning_rat": [1e-3]}}, [], "learning_rat is not a setting of text_classification.py"),
+        ({"grid": {}}, [], "the grid is empty"),
+        ({"grid": {"learning_rate": []}}, [], "the grid is empty"),
+        ({"grid": {"seed": [1]}}, ["--time_budget", "eight hours"], "cannot read the duration 'eight hours'"),
+    ],
+)
 def test_sweep_bad_input_fails_before_anything_runs(tmp_path, tiny_model_dir, data_files, spec, argv, message):
     path = write_sweep(tmp_path, tiny_model_dir, data_files, **spec)
     if "recipe" in spec:

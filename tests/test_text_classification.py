@@ -28,32 +28,56 @@ UPDATE_RTOL = 1e-4
 def full_batch_run(tmp_path_factory, tiny_model_dir, data_files):
     """The reference: one process, micro-batch 8, no accumulation, 48 samples → 6 updates."""
     out = tmp_path_factory.mktemp("full-batch")
-    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, out, per_device_train_batch_size=8, gradient_accumulation_steps=1))
+    run_in_process(
+        "text_classification",
+        tiny_args(tiny_model_dir, data_files, out, per_device_train_batch_size=8, gradient_accumulation_steps=1),
+    )
     return out
 
 
 @pytest.mark.parametrize("micro, accumulation", [(4, 2), (2, 4)])
-def test_accumulation_matches_the_full_batch(tmp_path, tiny_model_dir, data_files, full_batch_run, micro, accumulation):
-    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation))
+def test_accumulation_matches_the_full_batch(
+    tmp_path, tiny_model_dir, data_files, full_batch_run, micro, accumulation
+):
+    run_in_process(
+        "text_classification",
+        tiny_args(
+            tiny_model_dir,
+            data_files,
+            tmp_path,
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=accumulation,
+        ),
+    )
     assert_same_run(tmp_path, full_batch_run)
 
 
 def test_effective_batch_size_derives_the_accumulation(tmp_path, tiny_model_dir, data_files, full_batch_run):
-    results = run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8))
+    results = run_in_process(
+        "text_classification",
+        tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8),
+    )
     assert results["gradient_accumulation_steps"] == 4 and results["effective_batch_size"] == 8
     assert_same_run(tmp_path, full_batch_run)
 
 
 @pytest.mark.launch
 def test_accumulation_through_accelerate_launch(tmp_path, tiny_model_dir, data_files, full_batch_run):
-    result = launch("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8))
+    result = launch(
+        "text_classification",
+        tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8),
+    )
     assert "2 micro × 4 accumulation × 1 process = 8 samples per update" in result.stdout
     assert_same_run(tmp_path, full_batch_run)
 
 
 @pytest.mark.launch
 def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_model_dir, data_files, full_batch_run):
-    result = launch("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8), num_processes=2)
+    result = launch(
+        "text_classification",
+        tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8),
+        num_processes=2,
+    )
     results = json.loads((tmp_path / "all_results.json").read_text())
     assert results["num_processes"] == 2, "accelerate launch started one process, not two"
     assert results["gradient_accumulation_steps"] == 2
@@ -81,8 +105,28 @@ def test_short_last_window_equals_a_full_batch_update_on_the_leftover(tmp_path, 
     train = write_jsonl(tmp_path / "train20.jsonl", make_rows(20, seed=3))
     data = {**data_files, "train": train}
     common = {"optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}
-    run_in_process("text_classification", tiny_args(tiny_model_dir, data, tmp_path / "full", per_device_train_batch_size=16, gradient_accumulation_steps=1, **common))
-    run_in_process("text_classification", tiny_args(tiny_model_dir, data, tmp_path / "accum", per_device_train_batch_size=4, gradient_accumulation_steps=4, **common))
+    run_in_process(
+        "text_classification",
+        tiny_args(
+            tiny_model_dir,
+            data,
+            tmp_path / "full",
+            per_device_train_batch_size=16,
+            gradient_accumulation_steps=1,
+            **common,
+        ),
+    )
+    run_in_process(
+        "text_classification",
+        tiny_args(
+            tiny_model_dir,
+            data,
+            tmp_path / "accum",
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=4,
+            **common,
+        ),
+    )
     assert [m["samples_seen"] for m in read_metrics(tmp_path / "accum")] == [16, 20]
     assert_same_run(tmp_path / "accum", tmp_path / "full")
 
@@ -97,8 +141,19 @@ def test_short_window_equals_a_plain_pytorch_full_batch_step(tmp_path, tiny_mode
 
     rows = make_rows(12, seed=5)
     data = {**data_files, "train": write_jsonl(tmp_path / "train12.jsonl", rows)}
-    run_in_process("text_classification", tiny_args(tiny_model_dir, data, tmp_path / "accum", per_device_train_batch_size=4,
-                                                    gradient_accumulation_steps=4, optim="sgd", learning_rate=0.5, max_grad_norm=0))
+    run_in_process(
+        "text_classification",
+        tiny_args(
+            tiny_model_dir,
+            data,
+            tmp_path / "accum",
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=4,
+            optim="sgd",
+            learning_rate=0.5,
+            max_grad_norm=0,
+        ),
+    )
     assert [m["samples_seen"] for m in read_metrics(tmp_path / "accum")] == [12]
 
     label_ids = {name: i for i, name in enumerate(sorted({r["label"] for r in rows}))}
@@ -131,10 +186,31 @@ def test_outputs_load_with_from_pretrained_and_pipeline(full_batch_run):
     assert prediction[0]["label"] in {"money", "sport", "tech"}
 
     records = read_metrics(full_batch_run)
-    assert set(records[0]) == {"step", "epoch", "loss", "lr", "grad_norm", "samples_seen", "tokens_seen", "samples_per_second", "tokens_per_second", "skipped_updates", "per_device_train_batch_size", "gradient_accumulation_steps", "effective_batch_size"}
+    assert set(records[0]) == {
+        "step",
+        "epoch",
+        "loss",
+        "lr",
+        "grad_norm",
+        "samples_seen",
+        "tokens_seen",
+        "samples_per_second",
+        "tokens_per_second",
+        "skipped_updates",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "effective_batch_size",
+    }
     assert [m["samples_seen"] for m in records] == [8, 16, 24, 32, 40, 48]
     results = json.loads((full_batch_run / "all_results.json").read_text())
-    for key in ("eval_accuracy", "eval_macro_f1", "train_runtime", "train_samples_per_second", "effective_batch_size", "learning_rate"):
+    for key in (
+        "eval_accuracy",
+        "eval_macro_f1",
+        "train_runtime",
+        "train_samples_per_second",
+        "effective_batch_size",
+        "learning_rate",
+    ):
         assert key in results
 
 
@@ -143,7 +219,18 @@ def test_sample_order_does_not_depend_on_the_split(tmp_path, tiny_model_dir, dat
     runs = {}
     for micro, accumulation in [(8, 1), (1, 8)]:
         out = tmp_path / f"{micro}x{accumulation}"
-        run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation, num_train_epochs=2, max_train_steps=None))
+        run_in_process(
+            "text_classification",
+            tiny_args(
+                tiny_model_dir,
+                data_files,
+                out,
+                per_device_train_batch_size=micro,
+                gradient_accumulation_steps=accumulation,
+                num_train_epochs=2,
+                max_train_steps=None,
+            ),
+        )
         runs[micro] = [m["tokens_seen"] for m in read_metrics(out)]
     assert runs[8] == runs[1]
     increments = [b - a for a, b in zip([0] + runs[8], runs[8])]
@@ -152,12 +239,17 @@ def test_sample_order_does_not_depend_on_the_split(tmp_path, tiny_model_dir, dat
 
 def test_tensorboard_logs_when_asked(tmp_path, tiny_model_dir, data_files):
     pytest.importorskip("tensorboard")
-    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, report_to="tensorboard", max_train_steps=2))
+    run_in_process(
+        "text_classification",
+        tiny_args(tiny_model_dir, data_files, tmp_path, report_to="tensorboard", max_train_steps=2),
+    )
     assert list(tmp_path.rglob("events.out.tfevents.*")), "no TensorBoard event file written"
 
 
 @pytest.mark.parametrize("failure", ["cpu_allocator_refusal", "cuda_out_of_memory"])
-def test_auto_micro_batch_retries_the_update_with_the_same_effective_batch(tmp_path, tiny_model_dir, data_files, monkeypatch, failure):
+def test_auto_micro_batch_retries_the_update_with_the_same_effective_batch(
+    tmp_path, tiny_model_dir, data_files, monkeypatch, failure
+):
     """An allocation fails in the 2nd micro-batch of update 3 whenever the micro-batch exceeds 4.
     The run halves the micro-batch, doubles the accumulation and retries update 3; it must then
     match a run started at micro-batch 4 (same samples per update, same weights)."""
@@ -177,11 +269,24 @@ def test_auto_micro_batch_retries_the_update_with_the_same_effective_batch(tmp_p
     monkeypatch.setattr(BertForSequenceClassification, "forward", forward_that_runs_out_of_memory)
     common = {"effective_batch_size": 16, "num_train_epochs": 2}
     auto, reference = tmp_path / "auto", tmp_path / "reference"
-    results = run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, auto, per_device_train_batch_size=8, auto_micro_batch=True, **common))
-    run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, reference, per_device_train_batch_size=4, **common))
+    results = run_in_process(
+        "text_classification",
+        tiny_args(tiny_model_dir, data_files, auto, per_device_train_batch_size=8, auto_micro_batch=True, **common),
+    )
+    run_in_process(
+        "text_classification",
+        tiny_args(tiny_model_dir, data_files, reference, per_device_train_batch_size=4, **common),
+    )
 
     records = read_metrics(auto)
-    assert [(r["per_device_train_batch_size"], r["gradient_accumulation_steps"]) for r in records] == [(8, 2), (8, 2), (4, 4), (4, 4), (4, 4), (4, 4)]
+    assert [(r["per_device_train_batch_size"], r["gradient_accumulation_steps"]) for r in records] == [
+        (8, 2),
+        (8, 2),
+        (4, 4),
+        (4, 4),
+        (4, 4),
+        (4, 4),
+    ]
     assert results["effective_batch_size"] == 16 and results["per_device_train_batch_size"] == 4
     assert_same_run(auto, reference)
 
@@ -194,4 +299,6 @@ def test_without_auto_micro_batch_an_out_of_memory_error_propagates(tmp_path, ti
 
     monkeypatch.setattr(BertForSequenceClassification, "forward", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
-        run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=8))
+        run_in_process(
+            "text_classification", tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=8)
+        )

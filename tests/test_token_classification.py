@@ -10,7 +10,19 @@ import random
 
 import pytest
 import torch
-from conftest import copy_checkpoint, COMMON, TOPICS, assert_same_run, error_of, final_weights, launch, max_abs_difference, read_metrics, run_in_process, write_jsonl
+from conftest import (
+    COMMON,
+    TOPICS,
+    assert_same_run,
+    copy_checkpoint,
+    error_of,
+    final_weights,
+    launch,
+    max_abs_difference,
+    read_metrics,
+    run_in_process,
+    write_jsonl,
+)
 
 
 @pytest.fixture(scope="module")
@@ -18,12 +30,23 @@ def tiny_tagger_dir(tmp_path_factory):
     from transformers import BertConfig, BertForTokenClassification, BertTokenizerFast
 
     path = tmp_path_factory.mktemp("tiny-bert-tagger")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "##s"] + sorted({w for ws in TOPICS.values() for w in ws} | set(COMMON))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "##s"] + sorted(
+        {w for ws in TOPICS.values() for w in ws} | set(COMMON)
+    )
     tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)})
     assert tokenizer.tokenize("goals") == ["goal", "##s"]
     tokenizer.save_pretrained(path)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
     torch.manual_seed(0)
     BertForTokenClassification(config).save_pretrained(path)
     return path
@@ -46,21 +69,52 @@ def tagged_rows(n: int, seed: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def tag_files(tmp_path_factory):
     path = tmp_path_factory.mktemp("tag-data")
-    return {"train": write_jsonl(path / "train.jsonl", tagged_rows(48, seed=1)), "validation": write_jsonl(path / "validation.jsonl", tagged_rows(12, seed=2))}
+    return {
+        "train": write_jsonl(path / "train.jsonl", tagged_rows(48, seed=1)),
+        "validation": write_jsonl(path / "validation.jsonl", tagged_rows(12, seed=2)),
+    }
 
 
 def tagger_args(model_dir, data, output_dir, **overrides):
-    settings = {"model_name_or_path": model_dir, "train_file": data["train"], "validation_file": data["validation"], "max_seq_length": 64,
-                "learning_rate": 1e-3, "lr_scaling": "none", "num_warmup_steps": 0, "weight_decay": 0.0, "num_train_epochs": 1,
-                "output_dir": output_dir, "report_to": "none", "seed": 7}
+    settings = {
+        "model_name_or_path": model_dir,
+        "train_file": data["train"],
+        "validation_file": data["validation"],
+        "max_seq_length": 64,
+        "learning_rate": 1e-3,
+        "lr_scaling": "none",
+        "num_warmup_steps": 0,
+        "weight_decay": 0.0,
+        "num_train_epochs": 1,
+        "output_dir": output_dir,
+        "report_to": "none",
+        "seed": 7,
+    }
     settings.update(overrides)
     return [f"--{k}={v}" for k, v in settings.items() if v is not None]
 
 
 def test_accumulation_matches_the_full_batch_with_varying_labelled_tokens(tmp_path, tiny_tagger_dir, tag_files):
-    run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1))
-    run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "accum", per_device_train_batch_size=2, gradient_accumulation_steps=4))
-    counts = [b["tokens_seen"] - a["tokens_seen"] for a, b in zip([{"tokens_seen": 0}] + read_metrics(tmp_path / "full"), read_metrics(tmp_path / "full"))]
+    run_in_process(
+        "token_classification",
+        tagger_args(
+            tiny_tagger_dir, tag_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1
+        ),
+    )
+    run_in_process(
+        "token_classification",
+        tagger_args(
+            tiny_tagger_dir,
+            tag_files,
+            tmp_path / "accum",
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=4,
+        ),
+    )
+    counts = [
+        b["tokens_seen"] - a["tokens_seen"]
+        for a, b in zip([{"tokens_seen": 0}] + read_metrics(tmp_path / "full"), read_metrics(tmp_path / "full"))
+    ]
     assert len(set(counts)) > 3, f"the labelled-token count should vary per update: {counts}"
     assert_same_run(tmp_path / "accum", tmp_path / "full")
 
@@ -68,20 +122,52 @@ def test_accumulation_matches_the_full_batch_with_varying_labelled_tokens(tmp_pa
 def test_only_first_sub_tokens_are_labelled_unless_asked(tmp_path, tiny_tagger_dir, tag_files):
     rows = [json.loads(line) for line in tag_files["train"].read_text().splitlines()]
     words = sum(len(r["tokens"]) for r in rows)
-    plurals = sum(w.endswith("s") and w[:-1] in {x for ws in TOPICS.values() for x in ws} | set(COMMON) for r in rows for w in r["tokens"])
-    first = run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "first", per_device_train_batch_size=8, gradient_accumulation_steps=1))
-    run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "all", per_device_train_batch_size=8, gradient_accumulation_steps=1, label_all_tokens=True))
+    plurals = sum(
+        w.endswith("s") and w[:-1] in {x for ws in TOPICS.values() for x in ws} | set(COMMON)
+        for r in rows
+        for w in r["tokens"]
+    )
+    first = run_in_process(
+        "token_classification",
+        tagger_args(
+            tiny_tagger_dir,
+            tag_files,
+            tmp_path / "first",
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=1,
+        ),
+    )
+    run_in_process(
+        "token_classification",
+        tagger_args(
+            tiny_tagger_dir,
+            tag_files,
+            tmp_path / "all",
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=1,
+            label_all_tokens=True,
+        ),
+    )
     assert read_metrics(tmp_path / "first")[-1]["tokens_seen"] == words
     assert read_metrics(tmp_path / "all")[-1]["tokens_seen"] == words + plurals > words
     assert {"eval_f1", "eval_precision", "eval_recall", "eval_f1_SPORT", "eval_f1_MONEY"} <= set(first)
 
 
-@pytest.mark.parametrize("overrides, fragments", [
-    ({"label_column": "ner"}, ["--label_column 'ner' is not a column", "tokens, ner_tags"]),
-    ({"tokens_column": "words"}, ["--tokens_column 'words' is not a column"]),
-    ({"_validation": [{"tokens": ["goal"], "ner_tags": ["B-PERSON"]}]}, ["tag(s) B-PERSON that the train split never shows"]),
-    ({"_validation": [{"tokens": ["goal", "match"], "ner_tags": ["O"]}]}, ["row 0 of the validation split has 2 words and 1 tags"]),
-])
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        ({"label_column": "ner"}, ["--label_column 'ner' is not a column", "tokens, ner_tags"]),
+        ({"tokens_column": "words"}, ["--tokens_column 'words' is not a column"]),
+        (
+            {"_validation": [{"tokens": ["goal"], "ner_tags": ["B-PERSON"]}]},
+            ["tag(s) B-PERSON that the train split never shows"],
+        ),
+        (
+            {"_validation": [{"tokens": ["goal", "match"], "ner_tags": ["O"]}]},
+            ["row 0 of the validation split has 2 words and 1 tags"],
+        ),
+    ],
+)
 def test_bad_tagging_inputs_stop_with_one_line(tmp_path, tiny_tagger_dir, tag_files, overrides, fragments):
     data = dict(tag_files)
     if "_validation" in overrides:
@@ -94,9 +180,15 @@ def test_bad_tagging_inputs_stop_with_one_line(tmp_path, tiny_tagger_dir, tag_fi
 @pytest.mark.launch
 def test_launch_and_resume(tmp_path, tiny_tagger_dir, tag_files):
     common = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}
-    run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "full", checkpointing_steps=3, **common))  # the resume goes through the CLI
+    run_in_process(
+        "token_classification",
+        tagger_args(tiny_tagger_dir, tag_files, tmp_path / "full", checkpointing_steps=3, **common),
+    )  # the resume goes through the CLI
     resumed = copy_checkpoint(tmp_path / "full", 3, tmp_path / "resumed")
-    launch("token_classification", tagger_args(tiny_tagger_dir, tag_files, resumed, resume_from_checkpoint="latest", **common))
+    launch(
+        "token_classification",
+        tagger_args(tiny_tagger_dir, tag_files, resumed, resume_from_checkpoint="latest", **common),
+    )
     assert [r["step"] for r in read_metrics(resumed)] == [4, 5, 6]
     assert max_abs_difference(final_weights(resumed), final_weights(tmp_path / "full")) == 0.0
 
@@ -104,8 +196,17 @@ def test_launch_and_resume(tmp_path, tiny_tagger_dir, tag_files):
 def test_an_adaptive_schedule_runs_in_a_token_weighted_recipe(tmp_path, tiny_tagger_dir, tag_files):
     """The noise scale is measured in labelled tokens and converted to sequences for the schedule;
     with a tiny factor the batch doubles every 2 updates and the run still ends with the data."""
-    run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                                       accumulation_schedule="adaptive:max=16,factor=0.01,patience=2"))
+    run_in_process(
+        "token_classification",
+        tagger_args(
+            tiny_tagger_dir,
+            tag_files,
+            tmp_path,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            accumulation_schedule="adaptive:max=16,factor=0.01,patience=2",
+        ),
+    )
     records = read_metrics(tmp_path)
     assert [r["effective_batch_size"] for r in records][:4] == [4, 4, 8, 8] and records[-1]["samples_seen"] == 48
     assert all("noise_scale" in r for r in records)
@@ -115,9 +216,22 @@ def test_an_adaptive_schedule_runs_in_a_token_weighted_recipe(tmp_path, tiny_tag
 def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_tagger_dir, tag_files):
     """Real DDP over gloo: the window's labelled tokens are counted over both processes, and the
     evaluation pads and gathers predictions of different lengths across them."""
-    full = run_in_process("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1))
-    launch("token_classification", tagger_args(tiny_tagger_dir, tag_files, tmp_path / "ddp", per_device_train_batch_size=2, gradient_accumulation_steps=2), num_processes=2)
+    full = run_in_process(
+        "token_classification",
+        tagger_args(
+            tiny_tagger_dir, tag_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1
+        ),
+    )
+    launch(
+        "token_classification",
+        tagger_args(
+            tiny_tagger_dir, tag_files, tmp_path / "ddp", per_device_train_batch_size=2, gradient_accumulation_steps=2
+        ),
+        num_processes=2,
+    )
     ddp = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
     assert ddp["num_processes"] == 2 and ddp["distributed_type"] == "MULTI_CPU"
     assert_same_run(tmp_path / "ddp", tmp_path / "full")
-    assert ddp["eval_f1"] == pytest.approx(full["eval_f1"], abs=1e-6) and ddp["eval_loss"] == pytest.approx(full["eval_loss"], rel=1e-5)
+    assert ddp["eval_f1"] == pytest.approx(full["eval_f1"], abs=1e-6) and ddp["eval_loss"] == pytest.approx(
+        full["eval_loss"], rel=1e-5
+    )

@@ -12,9 +12,7 @@ from pathlib import Path
 import evaluate
 
 BUNDLED_METRICS_DIR = Path(__file__).parent
-BUNDLED_METRICS = tuple(
-    sorted(p.name for p in BUNDLED_METRICS_DIR.iterdir() if (p / f"{p.name}.py").is_file())
-)
+BUNDLED_METRICS = tuple(sorted(p.name for p in BUNDLED_METRICS_DIR.iterdir() if (p / f"{p.name}.py").is_file()))
 
 
 def load_metric(name: str, **kwargs) -> evaluate.EvaluationModule:

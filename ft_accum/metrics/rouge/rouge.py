@@ -15,10 +15,14 @@ class Rouge(evaluate.Metric):
             description="ROUGE F-measures between predictions and references.",
             citation="Lin, Chin-Yew. ROUGE: A Package for Automatic Evaluation of Summaries. 2004.",
             inputs_description="predictions: list of str; references: list of str",
-            features=datasets.Features({"predictions": datasets.Value("string"), "references": datasets.Value("string")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+            ),
         )
 
-    def _compute(self, predictions, references, rouge_types=("rouge1", "rouge2", "rougeL", "rougeLsum"), use_stemmer=False):
+    def _compute(
+        self, predictions, references, rouge_types=("rouge1", "rouge2", "rougeL", "rougeLsum"), use_stemmer=False
+    ):
         from rouge_score import rouge_scorer
 
         scorer = rouge_scorer.RougeScorer(list(rouge_types), use_stemmer=use_stemmer)
