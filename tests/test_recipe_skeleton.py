@@ -1,0 +1,139 @@
+"""The shared recipe skeleton: every recipe offers every general feature, and a signal stops a run
+gracefully (checkpoint, resume command, 128 + signum) so that the resumed run is bit-identical."""
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, launch_command, load_recipe, read_metrics, run_in_process, tiny_args
+
+from ft_accum.arguments import parse_args
+from ft_accum.graceful_stop import resume_command
+
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
+
+# feature: (its flags, the line of the loop that hooks it in)
+FEATURES = {
+    "accumulation schedule": (["--accumulation_schedule", "epoch1:64"], "schedule.at_window_start("),
+    "sync_each_batch": (["--sync_each_batch"], "build_accelerator("),
+    "noise scale": (["--measure_noise_scale"], "noise.after_backward("),
+    "auto micro-batch": (["--auto_micro_batch"], "oom_retry.recover("),
+    "checkpointing and resume": (
+        ["--checkpointing_steps", "5", "--resume_from_checkpoint", "latest"],
+        "checkpoint_if_due(",
+    ),
+    "graceful stop": ([], "GracefulStop()"),
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_offers_every_general_feature(recipe, feature):
+    """Each flag parses into the shared arguments, and the recipe's loop calls the feature's hook."""
+    flags, hook = FEATURES[feature]
+    module = load_recipe(recipe)
+    _, args = parse_args(module.TaskArguments, flags)
+    for flag in flags[::2] if flags and not flags[0] == "--sync_each_batch" else flags:
+        name = flag.lstrip("-")
+        assert getattr(args, name) not in (None, False), f"{recipe}: {flag} did not reach TrainingArguments"
+    train = next(
+        n for n in ast.parse((ROOT / "recipes" / f"{recipe}.py").read_text()).body if getattr(n, "name", "") == "train"
+    )
+    assert hook in ast.unparse(train), f"{recipe}.train() does not call {hook}"
+
+
+def test_the_features_run_together_in_one_recipe(tmp_path, tiny_model_dir, data_files):
+    """Schedule, noise scale, OOM retry (armed), sync_each_batch and checkpoints in one real run."""
+    out = tmp_path / "all"
+    results = run_in_process("text_classification", tiny_args(
+        tiny_model_dir, data_files, out, per_device_train_batch_size=2, effective_batch_size=8, num_train_epochs=2,
+        accumulation_schedule="epoch1:16", measure_noise_scale=True, auto_micro_batch=True, sync_each_batch=True,
+        checkpointing_steps=2))  # fmt: skip
+    records = read_metrics(out)
+    assert {r["effective_batch_size"] for r in records} == {8, 16}
+    assert all("noise_scale" in r for r in records)
+    assert results["num_update_steps"] == len(records) and (out / "checkpoints").is_dir()
+
+
+def test_resume_command_keeps_the_launch_options_and_replaces_an_earlier_resume():
+    parent = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "cpu.yaml", "recipes/x.py", "--seed", "3",
+              "--resume_from_checkpoint", "old"]  # fmt: skip
+    assert resume_command(["recipes/x.py"], parent) == (
+        "accelerate launch --config_file cpu.yaml recipes/x.py --seed 3 --resume_from_checkpoint latest"
+    )
+    assert (
+        resume_command(["recipes/x.py", "--seed=3"], [])
+        == "python recipes/x.py --seed=3 --resume_from_checkpoint latest"
+    )
+
+
+def slow_run_args(tiny_model_dir, data_files, out):
+    # Enough updates that the signal lands mid-run, in several epochs, with dropout-free tiny BERT.
+    return tiny_args(tiny_model_dir, data_files, out, per_device_train_batch_size=4, effective_batch_size=8,
+                     max_train_steps=150, num_train_epochs=100)  # fmt: skip
+
+
+@pytest.mark.launch
+def test_sigterm_through_accelerate_launch_checkpoints_and_the_resume_is_bit_identical(
+    tmp_path, tiny_model_dir, data_files
+):
+    reference = tmp_path / "reference"
+    run_in_process("text_classification", slow_run_args(tiny_model_dir, data_files, reference))
+
+    out = tmp_path / "stopped"
+    cmd, env = launch_command("text_classification", slow_run_args(tiny_model_dir, data_files, out))
+    # A new session: the signal goes to the whole process group, as SLURM's preemption and Ctrl-C send it.
+    process = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before it could be signalled"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGTERM)
+    output, _ = process.communicate(timeout=300)  # returns once the recipe, which holds the pipe too, has exited
+    stopped_at = len(read_metrics(out))
+    assert 3 <= stopped_at < 150, output[-3000:]
+    assert "stopped by SIGTERM" in output and "--resume_from_checkpoint latest" in output, output[-3000:]
+    assert (out / "checkpoints" / f"step_{stopped_at:06d}" / "training_state.json").is_file()
+    assert not (out / "final").exists()
+
+    run_in_process(
+        "text_classification", [*slow_run_args(tiny_model_dir, data_files, out), "--resume_from_checkpoint=latest"]
+    )
+    ours, theirs = load_final(out), load_final(reference)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)  # bit-identical, not merely close
+    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(reference)]
+
+
+def load_final(output_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(output_dir / "final" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_exits_with_128_plus_its_number_after_saving(tmp_path, tiny_model_dir, data_files, signum, code):
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes" / "text_classification.py"),
+        *slow_run_args(tiny_model_dir, data_files, out),
+    ]
+    process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before it could be signalled"
+        time.sleep(0.05)
+    process.send_signal(signum)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == code, output[-3000:]
+    assert f"python {cmd[1]}" in output and "--resume_from_checkpoint latest" in output
+    assert any((out / "checkpoints").glob("step_*/training_state.json"))
