@@ -184,6 +184,14 @@ def parse_args(
     return task_args, training_args
 
 
+def run_main(train, task_class: type, argv: list[str] | None, description: str | None, **recipe_defaults):
+    """A recipe's `main`: parse, train, and turn a ConfigError into one `error:` line and exit code 1."""
+    try:
+        return train(*parse_args(task_class, argv, description, **recipe_defaults))
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
 def read_yaml_config(path: str | Path, *config_classes: type) -> dict:
     """The YAML mapping, after checking that every key is a field of one of `config_classes`."""
     path = Path(path)

@@ -127,15 +127,21 @@ def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    config = quantized.config
-    # The weights are dequantized fp32 now; a leftover GGUF quantization_config would make the
-    # Trainer and peft treat the model as quantized (the Trainer refuses to train it).
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = LlamaForCausalLM(config)
-    model.load_state_dict(quantized.state_dict())
+    # fork_rng: building the model draws random initial weights (overwritten at once), and the caller has
+    # already seeded the run; without it the first run on a machine, the one that converts, would
+    # initialise its LoRA adapters from another RNG state than every later run with the same seed.
+    with torch.random.fork_rng(devices=[]):
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        config = quantized.config
+        # The weights are dequantized fp32 now; a leftover GGUF quantization_config would make the
+        # Trainer and peft treat the model as quantized (the Trainer refuses to train it).
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(quantized.state_dict())
     tmp = cache_root / f".tmp-{target.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

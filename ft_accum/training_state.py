@@ -17,7 +17,7 @@ from typing import Any, Optional
 from ft_accum import checkpointing
 from ft_accum.batch_arithmetic import BatchPlan
 from ft_accum.loss_normalization import WindowTotals, check_skipped_updates
-from ft_accum.run_outputs import truncate_metrics
+from ft_accum.run_outputs import log_update, save_final, truncate_metrics, write_results
 
 
 @dataclass
@@ -184,16 +184,69 @@ def save_checkpoint(
     return path
 
 
-def checkpoint_if_due(
-    accelerator, args, state: TrainingState, signature: dict[str, Any], clock: TrainClock, stop
-) -> None:
-    """At a sync step: a checkpoint every --checkpointing_steps updates, and one at once after SIGTERM or
-    SIGINT, which then ends the run with the resume command (see graceful_stop)."""
-    stopping = stop.requested(accelerator)
-    if stopping or (args.checkpointing_steps and state.step % args.checkpointing_steps == 0):
-        with clock.paused():
-            path = save_checkpoint(
-                accelerator, args.output_dir, state, signature, args.save_total_limit, clock.total()
-            )
-        if stopping:
-            stop.exit(accelerator, path)
+class RunTracker:
+    """What happens once per update besides the update itself: the counters, metrics.jsonl and the
+    tracker, the progress bar, checkpoints, and the graceful stop; and the end of the run.
+
+    `end_update` is the recipe's one call at each sync step, after `optimizer.step()`; it returns
+    True when the run has made its last update. `stop` is a `GracefulStop` (or None to do without).
+    """
+
+    def __init__(
+        self, accelerator, args, state: TrainingState, signature: dict[str, Any], num_update_steps: int, stop=None
+    ):
+        from tqdm.auto import tqdm
+
+        self.accelerator, self.args, self.state, self.signature, self.stop = accelerator, args, state, signature, stop
+        self.num_update_steps = num_update_steps
+        self.clock = TrainClock(state.train_seconds)
+        self.progress = tqdm(
+            total=num_update_steps,
+            initial=state.scheduler_steps,
+            desc="updates",
+            disable=not accelerator.is_local_main_process,
+        )
+
+    def end_update(
+        self,
+        totals: WindowTotals,
+        plan: BatchPlan,
+        lr_scheduler,
+        batches_per_epoch: int,
+        scheduler_steps: int = 1,
+        **columns: Any,
+    ) -> bool:
+        """Count the update, log its record (`columns` are extra metrics.jsonl columns), checkpoint when due
+        or when a signal asks to stop (which then ends the process). True after the last update."""
+        state, args = self.state, self.args
+        skipped = self.accelerator.optimizer_step_was_skipped
+        state.complete_update(totals, plan, skipped, scheduler_steps, args.max_consecutive_skipped_updates)
+        record = state.record(
+            totals, plan, lr_scheduler.get_last_lr()[0], self.clock.lap(), batches_per_epoch, **columns
+        )
+        log_update(self.accelerator, args.output_dir, record, self.progress, scheduler_steps)
+        stopping = self.stop is not None and self.stop.requested(self.accelerator)
+        if stopping or (args.checkpointing_steps and state.step % args.checkpointing_steps == 0):
+            with self.clock.paused():
+                path = save_checkpoint(
+                    self.accelerator, args.output_dir, state, self.signature, args.save_total_limit, self.clock.total()
+                )
+            if stopping:
+                self.stop.exit(self.accelerator, path)
+        return state.scheduler_steps >= self.num_update_steps
+
+    def paused(self):
+        """Leave evaluation out of the training time and the throughput."""
+        return self.clock.paused()
+
+    def finish(self, model, tokenizer, plan: BatchPlan, after_save=None, **metrics: Any) -> dict[str, Any]:
+        """Save final/ (and whatever `after_save()` saves, returning extra results), write all_results.json."""
+        self.progress.close()
+        if self.stop is not None:
+            self.stop.restore()
+        train_seconds = self.clock.total()
+        save_final(self.accelerator, model, tokenizer, self.args.output_dir)
+        extras = after_save() if after_save else {}
+        results = write_results(self.accelerator, self.args, self.state, plan, train_seconds, **metrics, **extras)
+        self.accelerator.end_training()
+        return results

@@ -30,12 +30,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig
 
 from ft_accum import data_sources, loading, norm, offline_assets, run_outputs, training_state
 from ft_accum.accumulation_schedule import AccumulationScheduler
-from ft_accum.arguments import parse_args
+from ft_accum.arguments import run_main
 from ft_accum.batch_arithmetic import apply_batch_plan
 from ft_accum.errors import ConfigError
 from ft_accum.graceful_stop import GracefulStop
@@ -237,12 +236,9 @@ def train(task, args):
     state, signature = training_state.start_or_resume(accelerator, model, args, plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="samples")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
-    stop = GracefulStop()
+    tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
     metrics = load_metric("accuracy"), load_metric("f1")
-    progress = tqdm(
-        total=schedule.num_update_steps, initial=state.scheduler_steps, disable=not accelerator.is_main_process
-    )
-    clock, eval_metrics = training_state.TrainClock(state.train_seconds), {}
+    eval_metrics = {}
     model.train()
     while state.epoch < schedule.num_epochs:
         window = AccumulationWindow(accelerator.device)
@@ -266,42 +262,25 @@ def train(task, args):
                 train_dataloader, plan = oom_retry.recover(exc, accelerator, optimizer, train_dataloader, plan)
                 break
 
-            if accelerator.sync_gradients:
+            if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
                 advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
-                skipped = accelerator.optimizer_step_was_skipped
-                state.complete_update(totals, plan, skipped, advance, args.max_consecutive_skipped_updates)
-                lr, noise_columns = lr_scheduler.get_last_lr()[0], noise.at_sync(accelerator, totals, state)
-                record = state.record(totals, plan, lr, clock.lap(), len(train_dataloader), **noise_columns)
-                run_outputs.log_update(accelerator, args.output_dir, record, progress, advance)
-                training_state.checkpoint_if_due(accelerator, args, state, signature, clock, stop)
-                if state.scheduler_steps >= schedule.num_update_steps:
+                columns = noise.at_sync(accelerator, totals, state)
+                if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), advance, **columns):
                     break
         if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
             continue
 
-        with clock.paused():
+        with tracker.paused():
             eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
         run_outputs.log_evaluation(accelerator, state.epoch, state.step, eval_metrics)
-        if state.scheduler_steps >= schedule.num_update_steps:
-            break
         state.next_epoch()
-    progress.close()
-    stop.restore()
-    train_seconds = clock.total()
     if advice := noise.advice(state):
         accelerator.print(advice)
-
-    run_outputs.save_final(accelerator, model, processor, args.output_dir)
-    results = run_outputs.write_results(accelerator, args, state, plan, train_seconds, **eval_metrics)
-    accelerator.end_training()
-    return results
+    return tracker.finish(model, processor, plan, **eval_metrics)
 
 
 def main(argv=None):
-    try:
-        return train(*parse_args(TaskArguments, argv, __doc__, output_dir="outputs/image_classification"))
-    except ConfigError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    return run_main(train, TaskArguments, argv, __doc__, output_dir="outputs/image_classification")
 
 
 if __name__ == "__main__":

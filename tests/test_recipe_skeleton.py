@@ -25,7 +25,7 @@ FEATURES = {
     "auto micro-batch": (["--auto_micro_batch"], "oom_retry.recover("),
     "checkpointing and resume": (
         ["--checkpointing_steps", "5", "--resume_from_checkpoint", "latest"],
-        "checkpoint_if_due(",
+        "tracker.end_update(",
     ),
     "graceful stop": ([], "GracefulStop()"),
 }
