@@ -18,14 +18,12 @@ from the same saved weights. Takes ~20 s on 2 CPU cores.
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 MICRO, ACCUMULATION = 4, 4
 
@@ -101,10 +99,10 @@ def errors_of(model_loader, reference_fn, methods) -> dict[str, dict[str, float]
 
 def lm_errors(arch: str) -> dict[str, dict[str, float]]:
     """Padded variable-length LM: 16 documents, 4 micro-batches of 4."""
-    from conftest import make_documents, make_tiny_lm
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling
 
     from ft_accum.loss_normalization import causal_lm_loss_sum
+    from ft_accum.testing import make_documents, make_tiny_lm
 
     model_dir = make_tiny_lm(arch, Path(tempfile.mkdtemp()))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -20,9 +20,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from ft_accum.benchmarking import launch_recipe, steady_rate
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from timing import launch_recipe, steady_rate  # noqa: E402
 
 UPDATES = {
     "text_classification": 6,

@@ -20,7 +20,7 @@ Every run does the same number of micro-batches (48), so accumulation 16 is 3 up
 Each run is a fresh process; the variants are interleaved within a repeat, each repeat starting
 with the next variant (plain, accelerate, trainer, recipe; then accelerate, trainer, recipe, plain;
 ...), and each run's figure is its median per-update rate, warm-up update
-left out (benchmarks/timing.py). Reported: the median over repeats and the median of the
+left out (ft_accum/benchmarking.py). Reported: the median over repeats and the median of the
 per-repeat ratios to the plain loop. --quick runs tiny models in this process, once: a smoke test of
 the code, not a measurement.
 """
@@ -32,9 +32,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ft_accum.benchmarking import (
+    UpdateClock,
+    plain_accumulation_loop,
+    run_recipe,
+    steady_rate,
+    summarize,
+    trainer_callback,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from timing import UpdateClock, plain_accumulation_loop, run_recipe, steady_rate, summarize, trainer_callback  # noqa: E402
 
 MICRO, SEQ_LEN, SEED = 8, 64, 42
 LEARNING_RATE = {"classification": 1e-4, "lm": 1e-3}

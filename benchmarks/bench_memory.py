@@ -20,9 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ft_accum.benchmarking import run_recipe
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from timing import run_recipe  # noqa: E402
 
 EFFECTIVE_BATCH, BLOCK, UPDATES = 8, 128, 2
 SETTINGS = [
@@ -64,7 +64,10 @@ def measure(repeats: int = 3, quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as models:
         model_dir = None
         if quick:
-            from bench_loop_overhead import build_model_dir
+            from ft_accum.testing import load_script
+
+            _bench_loop_overhead = load_script(ROOT / "benchmarks" / "bench_loop_overhead.py")
+            build_model_dir = _bench_loop_overhead.build_model_dir
 
             model_dir = build_model_dir("lm", True, Path(models) / "lm")
         for repeat in range(repeats):

@@ -23,11 +23,11 @@ MEASURE = r"""
 import json, resource, sys, torch
 from transformers import GPT2Config
 from torch.distributed._tools.mem_tracker import MemTracker
-from ft_accum.memory_planner import _build_model
+from ft_accum.memory_planner import build_model
 width, layers, micro, seq_len = map(int, sys.argv[1:5])
 config = GPT2Config(n_embd=width, n_layer=layers, n_head=width // 64, n_positions=1024)
 torch.manual_seed(0)
-model = _build_model(config, "causal_lm")
+model = build_model(config, "causal_lm")
 opt = torch.optim.AdamW(model.parameters(), foreach=True)
 for p in model.parameters():
     p.grad = torch.zeros_like(p)

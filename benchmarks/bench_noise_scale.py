@@ -14,9 +14,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ft_accum.benchmarking import steady_rate, summarize
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from timing import steady_rate, summarize  # noqa: E402
 
 
 def run(measure: bool, updates: int, out: Path) -> dict:

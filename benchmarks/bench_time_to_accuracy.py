@@ -27,10 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from ft_accum.benchmarking import run_recipe
+
 ROOT = Path(__file__).resolve().parents[1]
 SST2 = ROOT.parent / "shared" / "data" / "sst2"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from timing import run_recipe  # noqa: E402
 
 MICRO, ACCUMULATION, SEQ_LEN = 8, 4, 64
 TUNING_GRID = (5e-5, 1e-4, 2e-4)
@@ -169,7 +169,10 @@ def measure(seeds=(42, 43, 44), train_samples=2048, quick=False) -> dict:
     with tempfile.TemporaryDirectory() as models:
         model_dir = bundled_minilm_dir()
         if quick:
-            from bench_loop_overhead import build_model_dir
+            from ft_accum.testing import load_script
+
+            _bench_loop_overhead = load_script(ROOT / "benchmarks" / "bench_loop_overhead.py")
+            build_model_dir = _bench_loop_overhead.build_model_dir
 
             model_dir = build_model_dir("classification", True, Path(models) / "tiny")
             seeds, train_samples = seeds[:1], 64

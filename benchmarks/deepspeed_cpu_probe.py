@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 MICRO, ACCUMULATION = 2, 2
 
@@ -46,10 +45,10 @@ def main():
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import InitProcessGroupKwargs
-    from conftest import make_documents, make_tiny_lm
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling
 
     from ft_accum.loss_normalization import causal_lm_loss_sum
+    from ft_accum.testing import make_documents, make_tiny_lm
 
     model_dir = make_tiny_lm("gpt2", Path(tempfile.mkdtemp()))  # deterministic: every process builds the same one
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

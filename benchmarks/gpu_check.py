@@ -33,10 +33,9 @@ from pathlib import Path
 
 import torch
 
+from ft_accum.benchmarking import UpdateClock, launch_recipe, steady_rate, trainer_callback
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
-from timing import UpdateClock, launch_recipe, steady_rate, trainer_callback  # noqa: E402
 
 TOLERANCE = {"no": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 CONFIGS = {"no": "cpu.yaml", "bf16": "single_gpu_bf16.yaml", "fp16": "single_gpu_fp16.yaml"}
@@ -76,7 +75,7 @@ def launch_with_config(config: str, args: list[str], output_dir: Path) -> dict:
 
 
 def check_mixed_precision(model_dir: Path, precisions, updates: int, seq_len: int) -> list[dict]:
-    from conftest import final_weights, relative_error
+    from ft_accum.testing import final_weights, relative_error
 
     rows = []
     for precision in precisions:
@@ -127,16 +126,16 @@ def cuda_step(model, optimizer, batch, precision: str) -> None:
 def check_planner() -> list[dict]:
     from transformers import GPT2Config
 
-    from ft_accum.memory_planner import GIB, _batch, _build_model, _optimizer, trace_step
+    from ft_accum.memory_planner import GIB, build_model, build_optimizer, example_batch, trace_step
 
     rows = []
     config = GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024)
     for precision in ("fp32", "bf16-mixed"):
         predicted = trace_step(config, micro_batch_size=4, task="causal_lm", seq_len=256, precision=precision).peak
         torch.manual_seed(0)
-        model = _build_model(config, "causal_lm").cuda()
-        optimizer = _optimizer("adamw", list(model.parameters()))
-        batch = {k: v.cuda() for k, v in _batch(config, "causal_lm", 4, 256).items()}
+        model = build_model(config, "causal_lm").cuda()
+        optimizer = build_optimizer("adamw", list(model.parameters()))
+        batch = {k: v.cuda() for k, v in example_batch(config, "causal_lm", 4, 256).items()}
 
         cuda_step(
             model, optimizer, batch, precision
@@ -159,7 +158,7 @@ def check_planner() -> list[dict]:
 
 
 def check_oom_replan(model_dir: Path) -> list[dict]:
-    from conftest import final_weights, relative_error, run_in_process
+    from ft_accum.testing import final_weights, relative_error, run_in_process
 
     common = [
         f"--model_name_or_path={model_dir}",
@@ -219,7 +218,10 @@ def check_oom_replan(model_dir: Path) -> list[dict]:
 
 
 def trainer_rate(micro: int, accumulation: int, updates: int, seq_len: int, bf16: bool) -> float:
-    from bench_loop_overhead import load_inputs
+    from ft_accum.testing import load_script
+
+    _bench_loop_overhead = load_script(ROOT / "benchmarks" / "bench_loop_overhead.py")
+    load_inputs = _bench_loop_overhead.load_inputs
     from transformers import Trainer, TrainingArguments
 
     from ft_accum.offline_assets import bundled_minilm_dir
@@ -251,8 +253,11 @@ def trainer_rate(micro: int, accumulation: int, updates: int, seq_len: int, bf16
 def check_throughput(micro: int, accumulation: int, updates: int, repeats: int, bf16: bool) -> list[dict]:
     import subprocess
 
-    import bench_loop_overhead
     from accelerate.state import AcceleratorState, GradientState
+
+    from ft_accum.testing import load_script
+
+    bench_loop_overhead = load_script(ROOT / "benchmarks" / "bench_loop_overhead.py")
 
     ratios = []
     for _ in range(repeats):

@@ -28,14 +28,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from ft_accum.benchmarking import machine_info
+from ft_accum.testing import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_correctness  # noqa: E402
-import bench_ddp  # noqa: E402
-import bench_loop_overhead  # noqa: E402
-import bench_memory  # noqa: E402
-import bench_time_to_accuracy  # noqa: E402
-from timing import machine_info  # noqa: E402
+# The sections are scripts of their own, loaded by path (benchmarks/ is a folder of scripts, not a package).
+bench_correctness = load_script(ROOT / "benchmarks" / "bench_correctness.py")
+bench_ddp = load_script(ROOT / "benchmarks" / "bench_ddp.py")
+bench_loop_overhead = load_script(ROOT / "benchmarks" / "bench_loop_overhead.py")
+bench_memory = load_script(ROOT / "benchmarks" / "bench_memory.py")
+bench_time_to_accuracy = load_script(ROOT / "benchmarks" / "bench_time_to_accuracy.py")
 
 OPTIONS = {"overhead_accumulation": (1, 4, 16)}
 BEGIN, END = "<!-- run_all:begin -->", "<!-- run_all:end -->"

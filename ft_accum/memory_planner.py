@@ -21,7 +21,7 @@ Limits, not modelled:
   bitsandbytes does not run on fake tensors.
 
 `torch._subclasses.fake_tensor` and `torch.utils._python_dispatch` are private PyTorch APIs;
-`_private_tools()` is the only place that imports them, and it says so if they move.
+`torch_internals()` is the only place that imports them, and it says so if they move.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class MemoryEstimate:
         return {**{k: v / GIB for k, v in asdict(self).items()}, "peak": self.peak / GIB}
 
 
-def _private_tools():
+def torch_internals():
+    """(FakeTensorMode, TorchDispatchMode): private torch APIs, imported here only, with a clear error if they move."""
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -83,7 +84,7 @@ def _live_bytes_mode():
     from torch.utils._pytree import tree_flatten
     from torch.utils.weak import WeakIdKeyDictionary
 
-    _, TorchDispatchMode = _private_tools()
+    _, TorchDispatchMode = torch_internals()
 
     class LiveBytes(TorchDispatchMode):
         def __init__(self):
@@ -144,7 +145,8 @@ def load_model_config(model: str | Any):
         ) from exc
 
 
-def _build_model(config, task: str, dtype: torch.dtype = torch.float32):
+def build_model(config, task: str, dtype: torch.dtype = torch.float32):
+    """A randomly initialised model of `task` ("causal_lm", "seq2seq", "classification") from a config: what is traced."""
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForSeq2SeqLM,
@@ -167,7 +169,8 @@ def _build_model(config, task: str, dtype: torch.dtype = torch.float32):
         ) from exc
 
 
-def _batch(config, task: str, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+def example_batch(config, task: str, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """A random micro-batch of `micro_batch_size` × `seq_len` tokens with the labels `task` trains on."""
     ids = torch.randint(0, config.vocab_size, (micro_batch_size, seq_len))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if task == "causal_lm":
@@ -181,7 +184,8 @@ def _batch(config, task: str, micro_batch_size: int, seq_len: int) -> dict[str, 
     return batch
 
 
-def _optimizer(name: str, parameters: list[torch.nn.Parameter]):
+def build_optimizer(name: str, parameters: list[torch.nn.Parameter]):
+    """The optimizer whose state the planner counts: "adamw" (two fp32 moments) or "sgd" (momentum)."""
     if name == "adamw":
         return torch.optim.AdamW(parameters, lr=1e-5, foreach=True)  # foreach: the CUDA default
     if name == "sgd":
@@ -220,14 +224,14 @@ def trace_micro_batches(
     validate the fake trace. `accounting`, if given, receives the live bytes right after backward
     and the parameter, gradient and optimizer-state bytes, for the accounting test.
     """
-    FakeTensorMode, _ = _private_tools()
+    FakeTensorMode, _ = torch_internals()
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     torch.manual_seed(0)
     with contextlib.nullcontext() if real_tensors else FakeTensorMode():
-        model = _build_model(config, task, torch.bfloat16 if precision == "bf16" else torch.float32)
+        model = build_model(config, task, torch.bfloat16 if precision == "bf16" else torch.float32)
         if gradient_checkpointing:
             if hasattr(model.config, "use_cache"):
                 model.config.use_cache = False
@@ -250,7 +254,7 @@ def trace_micro_batches(
                 model.enable_input_require_grads()
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
-        opt = _optimizer(optimizer, trainable)
+        opt = build_optimizer(optimizer, trainable)
         for p in trainable:
             p.grad = torch.zeros_like(p)
         opt.step()
@@ -265,7 +269,7 @@ def trace_micro_batches(
             extra_state = sum(p.numel() * (2 + 8 / 256) for p in trainable)
         results = {}
         for micro_batch_size in micro_batch_sizes:
-            batch = _batch(config, task, micro_batch_size, seq_len)
+            batch = example_batch(config, task, micro_batch_size, seq_len)
             tracker = _live_bytes_mode()
             for tensor in [*model.parameters(), *model.buffers()]:
                 tracker.add(tensor, static=True)

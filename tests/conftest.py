@@ -1,93 +1,52 @@
-"""Shared fixtures: a tiny BERT built from a config, a word-level tokenizer, and generated data.
+"""Shared fixtures over the helpers of `ft_accum.testing`: a tiny BERT and tiny causal LMs built from
+configs, word-level tokenizers, and generated data. Nothing here touches the network.
 
-Nothing here touches the network: the model is initialised from a `BertConfig`, the tokenizer is
-built from a vocabulary we write, and the data is generated with a fixed seed.
+The helpers are imported here so that test modules can keep `from conftest import ...`.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import random
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ROOT / "recipes"
-CPU_CONFIG = ROOT / "accelerate_configs" / "cpu.yaml"
+from ft_accum.testing import (  # noqa: F401  (re-exported for the test modules)
+    COMMON,
+    CPU_CONFIG,
+    RECIPES,
+    ROOT,
+    TOPICS,
+    copy_checkpoint,
+    final_weights,
+    free_port,
+    launch,
+    launch_command,
+    load_recipe,
+    make_documents,
+    make_rows,
+    make_tiny_bert,
+    make_tiny_lm,
+    max_abs_difference,
+    read_metrics,
+    relative_error,
+    run_in_process,
+    snapshot,
+    tiny_args,
+    tiny_lm_args,
+    write_jsonl,
+)
 
 # Offline for every test and every process they launch.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-TOPICS = {
-    "sport": "match goal team coach league score player season win cup".split(),
-    "money": "bank market shares profit price trade economy rate growth fund".split(),
-    "tech": "software phone chip computer network data code internet device screen".split(),
-}
-COMMON = "the a of and to in on said new year people last first".split()
-
-
-def make_rows(n: int, seed: int) -> list[dict]:
-    """Sentences of 4 to 30 words, so micro-batches pad to different lengths."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        label = list(TOPICS)[i % len(TOPICS)]
-        words = [rng.choice(TOPICS[label] if rng.random() < 0.5 else COMMON) for _ in range(rng.randint(4, 30))]
-        rows.append({"text": " ".join(words), "label": label})
-    return rows
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer, 32-wide BERT classifier with dropout 0, saved like a hub checkpoint."""
-    from transformers import (
-        BertConfig,
-        BertForSequenceClassification,
-        BertTokenizerFast,
-    )
-
-    path = tmp_path_factory.mktemp("tiny-bert")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(
-        {w for ws in TOPICS.values() for w in ws} | set(COMMON)
-    )
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    # transformers 5 takes the vocabulary as a dict and silently ignores vocab_file (every word
-    # would become [UNK]); transformers 4 needs vocab_file. The length check catches either going wrong.
-    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)})
-    if len(tokenizer) != len(vocab):
-        tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"))
-    assert len(tokenizer) == len(vocab) and tokenizer.unk_token_id not in tokenizer("the match")["input_ids"]
-    tokenizer.save_pretrained(path)
-    config = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=len(TOPICS),
-    )
-    torch.manual_seed(0)
-    BertForSequenceClassification(config).save_pretrained(path)
-    return path
+    return make_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
 @pytest.fixture(scope="session")
@@ -97,124 +56,6 @@ def data_files(tmp_path_factory) -> dict[str, Path]:
         "train": write_jsonl(path / "train.jsonl", make_rows(48, seed=1)),
         "validation": write_jsonl(path / "validation.jsonl", make_rows(12, seed=2)),
     }
-
-
-def tiny_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **overrides) -> list[str]:
-    """Recipe flags for a fast, deterministic run on the tiny model (fp32, no tracker)."""
-    settings = {
-        "model_name_or_path": model_dir,
-        "train_file": data["train"],
-        "validation_file": data["validation"],
-        "max_seq_length": 48,
-        "learning_rate": 1e-3,
-        "lr_scaling": "none",
-        "num_warmup_steps": 0,
-        "weight_decay": 0.0,
-        "num_train_epochs": 1,
-        "output_dir": output_dir,
-        "report_to": "none",
-        "seed": 7,
-    }
-    settings.update(overrides)
-    return [f"--{k}={v}" for k, v in settings.items() if v is not None]
-
-
-def load_recipe(name: str):
-    """Import recipes/<name>.py as a module (recipes/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", RECIPES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def run_in_process(name: str, args: list[str]) -> dict:
-    """Call the recipe's main(argv) here, then reset Accelerate's process-wide singletons."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    try:
-        return load_recipe(name).main(args)
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_command(name: str, args: list[str], num_processes: int = 1) -> tuple[list[str], dict]:
-    """The real `accelerate launch` command line and environment for 1 or 2 CPU processes."""
-    env = dict(os.environ)
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
-    if num_processes == 1:
-        cmd = [*accelerate, "--config_file", str(CPU_CONFIG)]
-    else:
-        # `--cpu --num_processes 2` silently runs one process in accelerate 1.15; this runs two
-        # (torchrun, DistributedType.MULTI_CPU, gloo).
-        env |= {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-        cmd = [
-            *accelerate,
-            "--multi_gpu",
-            "--num_processes",
-            str(num_processes),
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            str(free_port()),
-        ]
-    return [*cmd, str(RECIPES / f"{name}.py"), *args], env
-
-
-def launch(name: str, args: list[str], num_processes: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-    cmd, env = launch_command(name, args, num_processes)
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    if check and result.returncode != 0:
-        raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
-    return result
-
-
-def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(output_dir) / "final" / "model.safetensors"))
-
-
-def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """‖a − b‖ / ‖b‖ over all parameters together."""
-    assert a.keys() == b.keys()
-    diff = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
-    norm = sum(float(b[k].double().pow(2).sum()) for k in b)
-    return (diff / norm) ** 0.5
-
-
-def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def make_documents(n: int, seed: int, min_words: int = 4, max_words: int = 40) -> list[dict]:
-    """Documents of very different lengths, so padded micro-batches hold different token counts."""
-    rng = random.Random(seed)
-    words = COMMON + [w for ws in TOPICS.values() for w in ws]
-    return [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words)))} for _ in range(n)]
-
-
-def build_word_tokenizer(path: Path):
-    """A word-level fast tokenizer with real pad and eos tokens, saved like a hub tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = ["<pad>", "<unk>", "<eos>"] + sorted({w for ws in TOPICS.values() for w in ws} | set(COMMON))
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
-    )
-    tokenizer.save_pretrained(path)
-    return tokenizer
 
 
 @pytest.fixture(scope="session", params=["gpt2", "llama"])
@@ -232,39 +73,6 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return make_tiny_lm("llama", tmp_path_factory.mktemp("tiny-llama-recipe"))
 
 
-def make_tiny_lm(arch: str, path: Path) -> Path:
-    """A 2-layer, 32-wide causal LM from a config (dropout 0, 64 positions), saved with its tokenizer."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = build_word_tokenizer(path)
-    common = {
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": tokenizer.eos_token_id,
-    }
-    if arch == "gpt2":
-        config = GPT2Config(
-            n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common
-        )
-        model_class = GPT2LMHeadModel
-    else:
-        config = LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            attention_dropout=0.0,
-            **common,
-        )
-        model_class = LlamaForCausalLM
-    torch.manual_seed(0)
-    model_class(config).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="session")
 def lm_data_files(tmp_path_factory) -> dict[str, Path]:
     path = tmp_path_factory.mktemp("lm-data")
@@ -272,26 +80,6 @@ def lm_data_files(tmp_path_factory) -> dict[str, Path]:
         "train": write_jsonl(path / "train.jsonl", make_documents(24, seed=11)),
         "validation": write_jsonl(path / "validation.jsonl", make_documents(8, seed=12)),
     }
-
-
-def tiny_lm_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **overrides) -> list[str]:
-    """causal_lm flags for a fast, deterministic fp32 run on a tiny model."""
-    settings = {
-        "model_name_or_path": model_dir,
-        "train_file": data["train"],
-        "validation_file": data["validation"],
-        "block_size": 48,
-        "learning_rate": 1e-3,
-        "lr_scaling": "none",
-        "num_warmup_steps": 0,
-        "weight_decay": 0.0,
-        "num_train_epochs": 1,
-        "output_dir": output_dir,
-        "report_to": "none",
-        "seed": 7,
-    }
-    settings.update(overrides)
-    return [f"--{k}={v}" for k, v in settings.items() if v is not None]
 
 
 # fp32, dropout 0, the same samples per update: runs differ only in summation order (~1e-7 relative
@@ -319,23 +107,3 @@ def error_of(recipe: str, args: list[str]) -> str:
     message = str(exit_info.value.code)
     assert message.startswith("error: ") and "\n" not in message, message
     return message
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    """sha256 of every file under `folder`, by relative path: what 'nothing was damaged' compares."""
-    from ft_accum.integrity import sha256_of
-
-    return {str(p.relative_to(folder)): sha256_of(p) for p in sorted(Path(folder).rglob("*")) if p.is_file()}
-
-
-def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-
-
-def copy_checkpoint(run_dir: Path, step: int, new_output_dir: Path) -> Path:
-    """A fresh --output_dir holding only `run_dir`'s checkpoint at `step`: what a crash right after it leaves to resume from."""
-    name = f"step_{step:06d}"
-    (new_output_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(run_dir / "checkpoints" / name, new_output_dir / "checkpoints" / name)
-    return new_output_dir

@@ -43,9 +43,9 @@ def tiny_llama(layers=2):
     ],
 )
 def test_shipped_configs_have_the_published_sizes(name, task, published_millions):
-    FakeTensorMode, _ = mp._private_tools()
+    FakeTensorMode, _ = mp.torch_internals()
     with FakeTensorMode():
-        model = mp._build_model(mp.load_model_config(name), task)
+        model = mp.build_model(mp.load_model_config(name), task)
         count = sum(p.numel() for p in model.parameters()) / 1e6
     assert count == pytest.approx(published_millions, rel=0.005)
 
@@ -56,7 +56,7 @@ def test_parameter_gradient_and_adam_state_bytes_equal_the_analytic_count(config
     seen = {}
     mp.trace_phases(config, task="causal_lm", micro_batch_size=4, seq_len=64, accounting=seen)
     with torch.device("meta"):
-        model = mp._build_model(config, "causal_lm")
+        model = mp.build_model(config, "causal_lm")
     unique = {id(p): p for p in model.parameters()}  # parameters() yields tied weights once
     numel = sum(p.numel() for p in unique.values())
     assert seen["parameters"] == 4 * numel + sum(b.numel() * b.element_size() for b in model.buffers())
@@ -107,7 +107,7 @@ def test_fake_trace_matches_memtracker_on_real_cpu_tensors():
     real = mp.trace_step(config, task="causal_lm", micro_batch_size=m, seq_len=seq_len, real_tensors=True).peak
 
     torch.manual_seed(0)
-    model = mp._build_model(config, "causal_lm")
+    model = mp.build_model(config, "causal_lm")
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

@@ -1,4 +1,4 @@
-"""Throughput from per-update timings, shared by the benchmarks.
+"""Benchmark helpers: throughput from per-update timings, the plain loop, the recipe runners.
 
 A whole-run average on a shared 2-core VM moves by ±10% between runs (steal time, background
 load), more than the differences we want to see. Each run therefore records the wall time of
@@ -136,12 +136,10 @@ def run_recipe(recipe: str, args: list[str], in_process: bool = False) -> tuple[
     """launch_recipe, or with in_process (the --quick smoke runs) the recipe's main() in this process."""
     if not in_process:
         return launch_recipe(recipe, args)
-    import sys
     import tempfile
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest import read_metrics, run_in_process
+    from ft_accum.testing import read_metrics, run_in_process
 
     with tempfile.TemporaryDirectory() as out:
         return run_in_process(recipe, [*args, f"--output_dir={out}", "--report_to=none"]), read_metrics(Path(out))
