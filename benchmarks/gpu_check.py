@@ -57,18 +57,13 @@ def dropout_free_minilm(path: Path) -> Path:
 def launch_with_config(config: str, args: list[str], output_dir: Path) -> dict:
     import subprocess
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / config),
-        str(ROOT / "recipes" / "text_classification.py"),
-        *args,
-        f"--output_dir={output_dir}",
-        "--report_to=none",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    from ft_accum.testing import launch_command
+
+    cmd, env = launch_command(
+        "text_classification", [*args, f"--output_dir={output_dir}", "--report_to=none"],
+        config_file=ROOT / "accelerate_configs" / config,
+    )  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads((output_dir / "all_results.json").read_text())

@@ -1,10 +1,15 @@
 """ft-accum: exact gradient accumulation for fine-tuning Hugging Face models on one small GPU.
 
 One concept per module:
-    batch_arithmetic     effective = micro × accumulation × processes, and the update count
+    arguments            the arguments every recipe shares (TrainingArguments), parsing with YAML
+    batch_arithmetic     effective = micro × accumulation × processes (BatchPlan), and the update count
     lr_scaling           LR policies tied to the effective batch
     lr_schedule          scheduler length in optimizer updates
-    loss_normalization   the exact window-mean gradient, incomplete last window included
+    loss_normalization   the exact window-mean gradient, incomplete last window included (AccumulationWindow)
+    training_state       the loop's counters (TrainingState), resume position, the per-update record
+    accumulation_schedule  a mid-run change of the effective batch (AccumulationScheduler)
+    noise_scale          the gradient noise scale from accumulation's two batch sizes (NoiseScaleMeter)
+    graceful_stop        SIGTERM/SIGINT: finish the update, checkpoint, print the resume command
     checkpointing        atomic checkpoints and resume
     banner               the start-of-run summary
     metrics              local `evaluate` modules (no hub)
@@ -12,7 +17,10 @@ One concept per module:
     memory_planner       peak memory of a training step, traced on fake tensors; `ft-accum plan`
     memory               measured peak memory, out-of-memory detection, shrinking the micro-batch
     data_sources         local files and hub datasets, with errors that name the fix
-    run_outputs          the output-dir guard, metrics.jsonl, atomic final/ save
+    run_outputs          the output-dir guard, metrics.jsonl, atomic final/ save, all_results.json
+    run_setup            the Accelerator, the optimizer and the banner of a recipe
+    testing              tiny models, generated data and recipe runners for tests and benchmarks
+    benchmarking         per-update timings, the plain loop and the Trainer callback of the benchmarks
 """
 
 __version__ = "0.1.0"

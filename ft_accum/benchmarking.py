@@ -78,53 +78,20 @@ def plain_accumulation_loop(model, loader, updates: int, accumulation: int, lear
     return clock
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_recipe(recipe: str, args: list[str], num_processes: int = 1) -> tuple[dict, list[dict]]:
     """Run recipes/<recipe>.py through the real `accelerate launch` (1 CPU process, or N over gloo) in a
     temporary output_dir; return its all_results.json and metrics.jsonl records."""
     import json
-    import os
     import subprocess
-    import sys
     import tempfile
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
-    env = dict(os.environ)
-    if num_processes == 1:
-        cmd = [*accelerate, "--config_file", str(root / "accelerate_configs" / "cpu.yaml")]
-    else:  # `--cpu --num_processes N` silently runs one process in accelerate 1.15; this runs N (MULTI_CPU, gloo)
-        env |= {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // num_processes))}
-        cmd = [
-            *accelerate,
-            "--multi_gpu",
-            "--num_processes",
-            str(num_processes),
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            str(_free_port()),
-        ]
+    from ft_accum.testing import ROOT as root
+    from ft_accum.testing import launch_command
+
     with tempfile.TemporaryDirectory() as out:
-        proc = subprocess.run(
-            [*cmd, str(root / "recipes" / f"{recipe}.py"), *args, "--output_dir", out, "--report_to", "none"],
-            capture_output=True,
-            text=True,
-            cwd=root,
-            env=env,
-        )
+        cmd, env = launch_command(recipe, [*args, "--output_dir", out, "--report_to", "none"], num_processes)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"{recipe} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         results = json.loads((Path(out) / "all_results.json").read_text())

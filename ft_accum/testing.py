@@ -128,16 +128,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(name: str, args: list[str], num_processes: int = 1) -> tuple[list[str], dict]:
-    """The real `accelerate launch` command line and environment for 1 or 2 CPU processes."""
+def launch_command(
+    name: str, args: list[str], num_processes: int = 1, config_file: str | Path | None = None
+) -> tuple[list[str], dict]:
+    """The real `accelerate launch` command line and environment: one process with `config_file`
+    (default: the CPU config), or `num_processes` CPU processes under DDP over gloo."""
     env = dict(os.environ)
     accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
     if num_processes == 1:
-        cmd = [*accelerate, "--config_file", str(CPU_CONFIG)]
+        cmd = [*accelerate, "--config_file", str(config_file or CPU_CONFIG)]
     else:
         # `--cpu --num_processes 2` silently runs one process in accelerate 1.15; this runs two
-        # (torchrun, DistributedType.MULTI_CPU, gloo).
-        env |= {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+        # (torchrun, DistributedType.MULTI_CPU, gloo). The cores are shared out, not oversubscribed.
+        threads = max(1, (os.cpu_count() or 1) // num_processes)
+        env |= {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": str(threads)}
         cmd = [
             *accelerate,
             "--multi_gpu",
