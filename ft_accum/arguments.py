@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TypeVar
 
 import yaml
-from transformers import HfArgumentParser
+from accelerate.utils import LoggerType
+from transformers import HfArgumentParser, SchedulerType
 
 from ft_accum.accumulation_schedule import parse_accumulation_schedule
 from ft_accum.batch_arithmetic import BatchPlan, check_accumulation_settings
@@ -136,8 +139,21 @@ class TrainingArguments:
             "max_train_samples",
             "max_eval_samples",
         )
+        require_at_least(self, 0, "num_warmup_steps", "max_consecutive_skipped_updates", "seed")
+        require_finite(self, "learning_rate", "weight_decay", "max_grad_norm")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
+        require_at_least(self, 0, "weight_decay", "max_grad_norm")
         if self.optim not in ("adamw_torch", "sgd"):
             raise ConfigError(f"--optim must be adamw_torch or sgd, got {self.optim!r}")
+        schedulers = [s.value for s in SchedulerType]
+        if self.lr_scheduler_type not in schedulers:
+            raise ConfigError(
+                f"--lr_scheduler_type must be one of {', '.join(schedulers)}, got {self.lr_scheduler_type!r}"
+            )
+        trackers = ["auto", "none", *(t.value for t in LoggerType)]
+        if self.report_to not in trackers:
+            raise ConfigError(f"--report_to must be one of {', '.join(trackers)}, got {self.report_to!r}")
         if self.lr_scaling not in POLICIES:
             raise ConfigError(f"--lr_scaling must be one of {', '.join(POLICIES)}, got {self.lr_scaling!r}")
         schedule = parse_accumulation_schedule(self.accumulation_schedule)
@@ -175,29 +191,70 @@ def parse_args(
     formatter = type(
         "HelpFormatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
     )
-    parser = HfArgumentParser(classes, description=description, formatter_class=formatter)
+    # allow_abbrev=False: a typo'd or shortened flag is an error, never silently another flag.
+    parser = HfArgumentParser(classes, description=description, formatter_class=formatter, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of defaults; command-line flags override it")
+    parser.error = _one_line_error  # argparse prints usage and a message over several lines
     parser.set_defaults(**recipe_defaults)
     if known.config:
         parser.set_defaults(**read_yaml_config(known.config, *classes))
-    task_args, training_args, _ = parser.parse_args_into_dataclasses(args=argv)
+    # The outputs: the two dataclasses, a namespace holding --config, and the strings nobody took.
+    task_args, training_args, *_, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True
+    )
+    if unknown:
+        raise ConfigError(f"unknown argument(s) {' '.join(unknown)}; see --help for the settings")
+    for config in (task_args, training_args):
+        check_field_values(config)
     return task_args, training_args
 
 
+def check_field_values(config) -> None:
+    """Rules that hold for every field of every recipe: a whole number is never negative (sizes, counts,
+    steps, seeds) and a real number is finite. Field-specific minimums live in each `__post_init__`."""
+    for name in typing.get_type_hints(type(config)):
+        value = getattr(config, name)
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int) and value < 0:
+            raise ConfigError(f"--{name} must be ≥ 0, got {value}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{name} must be a finite number, got {value}")
+
+
+def _one_line_error(message: str):
+    raise ConfigError(f"{message}; see --help")
+
+
 def run_main(train, task_class: type, argv: list[str] | None, description: str | None, **recipe_defaults):
-    """A recipe's `main`: parse, train, and turn a ConfigError into one `error:` line and exit code 1."""
+    """A recipe's `main`: parse, train, and turn a ConfigError into one `error:` line and exit code 1.
+    The output folder's lock (run_outputs.lock_output_dir) is released however the run ends."""
+    from ft_accum.run_outputs import release_output_locks
+
     try:
         return train(*parse_args(task_class, argv, description, **recipe_defaults))
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
+    finally:
+        release_output_locks()
 
 
 def read_yaml_config(path: str | Path, *config_classes: type) -> dict:
-    """The YAML mapping, after checking that every key is a field of one of `config_classes`."""
+    """The YAML mapping, after checking that every key is a field of one of `config_classes` and that
+    every value has the field's type (set_defaults skips argparse's conversion, so a YAML value
+    would otherwise reach the run as written: `4.5` for a batch size, `100:64` read as 6064)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path} does not exist; pass a YAML file such as recipes/configs/<recipe>.yaml")
-    values = yaml.safe_load(path.read_text()) or {}
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(
+            f"--config {path} is not valid YAML{line}: {problem}; write one 'setting: value' per line"
+        ) from None
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path} must hold a mapping of setting: value, got {type(values).__name__}")
     fields = {f.name for cls in config_classes for f in dataclasses.fields(cls)}
@@ -206,7 +263,40 @@ def read_yaml_config(path: str | Path, *config_classes: type) -> dict:
         raise ConfigError(
             f"--config {path} has unknown setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(fields))}"
         )
-    return values
+    hints = {name: hint for cls in config_classes for name, hint in typing.get_type_hints(cls).items()}
+    return {key: typed_value(value, hints[key], f"--config {path}: {key}") for key, value in values.items()}
+
+
+def typed_value(value, hint, where: str):
+    """`value` as the field type `hint` wants (int, float, bool, str, or Optional of one), or a ConfigError."""
+    optional = type(None) in typing.get_args(hint)
+    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint) if optional else hint
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where} needs a value")
+    if base is bool and isinstance(value, bool):
+        return value
+    if base is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if base is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        try:
+            return float(value)  # YAML 1.1 reads 1e-4 (no dot) as text
+        except ValueError:
+            pass
+    if base is str and isinstance(value, str):
+        return value
+    kind = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}.get(base, str(base))
+    hint_text = " (quote it: YAML reads 100:30 as the number 6030)" if base is str else ""
+    raise ConfigError(f"{where} must be {kind}, got {value!r}{hint_text}")
+
+
+def require_finite(config, *names: str) -> None:
+    """Each named number must be finite: NaN or infinity would train nonsense without an error."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"--{name} must be a finite number, got {value}")
 
 
 def require_at_least(config, minimum: int, *names: str) -> None:

@@ -153,6 +153,11 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str, output_dir: str | os.
             f"{Path(output_dir) / 'checkpoints'}; check --output_dir, or start without resuming"
         )
     path = Path(resume_from_checkpoint)
+    if path.is_file():
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume_from_checkpoint} is a file; pass its checkpoint folder "
+            f"({path.parent}), one of: {listing}, or 'latest'"
+        )
     if not path.is_dir():
         raise ConfigError(
             f"--resume_from_checkpoint {resume_from_checkpoint} does not exist; pass one of: {listing}, or 'latest'"

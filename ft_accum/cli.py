@@ -88,12 +88,21 @@ def format_plan(result: dict) -> str:
     return "\n".join(lines)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported as one `error:` line (not usage plus a message), and no
+    abbreviated flags: a typo is an error, never silently another flag. Subcommands inherit it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str):
+        raise SystemExit(f"error: {self.prog}: {message}; see {self.prog} --help")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ft_accum import memory_planner
 
-    parser = argparse.ArgumentParser(
-        prog="ft-accum", description="Tools for exact gradient accumulation on one small GPU."
-    )
+    parser = OneLineParser(prog="ft-accum", description="Tools for exact gradient accumulation on one small GPU.")
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser(
         "plan",
@@ -168,10 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise SystemExit(f"error: --{name} must be ≥ 1, got {value}")
+    from ft_accum.run_outputs import release_output_locks
+
     try:
         return args.handler(args)
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
+    finally:
+        release_output_locks()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,11 @@ def load_local_files(train_file: str, validation_file: str | None = None) -> dat
             f"--train_file {train_file}: unsupported extension {suffix!r}; use one of {', '.join(_BUILDERS)}"
         )
     builder, kwargs = _BUILDERS[suffix]
+    if validation_file and _BUILDERS.get(Path(validation_file).suffix.lower(), (None,))[0] != builder:
+        raise ConfigError(
+            f"--train_file {train_file} and --validation_file {validation_file} are of different formats; "
+            f"give both as {suffix[1:]} (or both in another format)"
+        )
     header_lines = 1 if builder == "csv" else 0
     for split, file in files.items():
         if _count_nonblank_lines(file, stop_after=header_lines + 1) <= header_lines:
@@ -47,12 +52,38 @@ def load_local_files(train_file: str, validation_file: str | None = None) -> dat
             raise ConfigError(
                 f"--{split}_file {file} is not readable (permission denied); fix its permissions or copy it"
             )
-    try:
-        return datasets.load_dataset(builder, data_files=files, **kwargs)
-    except Exception as exc:  # the builders raise many types, all with long tracebacks
-        raise ConfigError(
-            f"could not read {' and '.join(map(str, files.values()))} as {suffix[1:]}: {_read_error_hint(exc, builder)}"
-        ) from exc
+    # Each file on its own: a validation file with extra columns is fine (the recipe reads only its own
+    # columns, and check_columns names a missing one); `datasets` would refuse the two as one dict.
+    splits = {}
+    for split, file in files.items():
+        try:
+            splits[split] = datasets.load_dataset(builder, data_files={split: file}, **kwargs)[split]
+        except Exception as exc:  # the builders raise many types, all with long tracebacks
+            where = _first_bad_json_line(file) if builder == "json" else None
+            reason = where or _read_error_hint(exc, builder)
+            raise ConfigError(f"could not read {file} as {suffix[1:]}: {reason}") from exc
+    return datasets.DatasetDict(splits)
+
+
+def _first_bad_json_line(path: str) -> str | None:
+    """For JSON Lines: the first line that is not one JSON object, named with its number, or None."""
+    import json
+
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = f.read(1)
+        if first == "[":
+            return None  # one JSON array (.json): not line by line
+        f.seek(0)
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as exc:
+                return f"line {number} is not valid JSON ({exc.msg}); write one JSON object per line"
+            if not isinstance(value, dict):
+                return f'line {number} is a JSON {type(value).__name__}, not an object; write one {{"column": value, ...}} per line'
+    return None
 
 
 def _read_error_hint(exc: BaseException, builder: str) -> str:
@@ -115,6 +146,7 @@ def label_names(raw: datasets.DatasetDict, label_column: str) -> list[str]:
     ):  # ClassLabel: every split shares the names; a class may still lack training rows
         names = list(kinds["train"].names)
         _check_seen_in_train({split: {names[i] for i in set(ds[label_column])} for split, ds in raw.items()}, "label")
+        check_two_classes(sorted({names[i] for i in set(raw["train"][label_column])}), label_column)
         return names
     for split, ds in raw.items():
         value_types = sorted({type(v).__name__ for v in ds[label_column]})
@@ -131,7 +163,19 @@ def label_names(raw: datasets.DatasetDict, label_column: str) -> list[str]:
         )
     names = [str(v) for v in sorted(set(raw["train"][label_column]))]  # integer ids keep their numeric order
     _check_seen_in_train({split: {str(v) for v in set(ds[label_column])} for split, ds in raw.items()}, "label")
+    check_two_classes(names, label_column)
     return names
+
+
+def check_two_classes(present: list[str], label_column: str) -> None:
+    """A classifier needs two classes in its training rows: with one, the loss is 0 from the start and
+    every prediction is right by construction, so the run 'succeeds' and means nothing (issue 19)."""
+    if len(present) < 2:
+        found = repr(present[0]) if present else "none"
+        raise ConfigError(
+            f"--label_column {label_column!r} has a single class in the train split ({found}); a classifier needs "
+            "rows of at least two classes: check the file, or the column"
+        )
 
 
 def _check_seen_in_train(names_by_split: dict[str, set[str]], kind: str) -> None:
@@ -169,8 +213,9 @@ def with_validation_split(raw: datasets.DatasetDict, seed: int, test_size: float
     return datasets.DatasetDict(train=split["train"], validation=split["test"])
 
 
-def check_columns(raw: datasets.DatasetDict, **columns: str) -> None:
-    """Every requested column exists in every split, and no split is empty."""
+def check_columns(raw: datasets.DatasetDict, **columns: str) -> datasets.DatasetDict:
+    """Every requested column exists in every split, and no split is empty; returns the splits with only
+    those columns, so that other columns (which may differ between files) are ignored, not an error."""
     for split, ds in raw.items():
         if len(ds) == 0:
             raise ConfigError(f"the {split} split is empty; give a file or dataset with at least one row")
@@ -180,6 +225,9 @@ def check_columns(raw: datasets.DatasetDict, **columns: str) -> None:
                     f"--{flag} {column!r} is not a column of the {split} split; its columns are "
                     f"{', '.join(ds.column_names)} (pass --{flag} with one of them)"
                 )
+    return datasets.DatasetDict(
+        {split: ds.select_columns(list(dict.fromkeys(columns.values()))) for split, ds in raw.items()}
+    )
 
 
 def _count_nonblank_lines(path: str, stop_after: int) -> int:

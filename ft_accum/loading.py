@@ -76,3 +76,45 @@ def freeze_encoder_pooler(model):
     if pooler is not None:
         pooler.requires_grad_(False)
     return model
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "special_tokens_map.json",
+)
+
+
+def check_tokenizer(tokenizer, model, name: str, sample_texts: list[str] | None = None) -> None:
+    """Refuse a tokenizer that cannot be the model's: far fewer tokens than the embedding table, or
+    one that turns most of a sample of the training text into the unknown token.
+
+    transformers builds a 5-token tokenizer from a folder holding only config.json and the weights;
+    every word then becomes [UNK], the run exits 0 and saves the broken tokenizer (issue 19).
+    """
+    embeddings = model.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", None) or getattr(model.config, "vocab_size", 0)
+    missing = ""
+    if os.path.isdir(os.path.expanduser(name)):
+        present = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(os.path.expanduser(name), f))]
+        missing = f" ({name} holds {', '.join(present) or 'no tokenizer files'}; a tokenizer needs e.g. tokenizer.json, or vocab.txt with tokenizer_config.json)"
+    # Real tokenizers can be a little smaller or larger than the table (padding rows, added tokens); a tenth is not.
+    if rows and len(tokenizer) < rows / 10:
+        raise ConfigError(
+            f"the tokenizer of {name!r} has {len(tokenizer)} tokens but the model's embedding table has {rows}: "
+            f"its tokenizer files are missing or wrong{missing}; copy the tokenizer files into the folder"
+        )
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or not sample_texts:
+        return
+    ids = [i for text in sample_texts[:64] for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    if ids and sum(i == unk for i in ids) > len(ids) / 2:
+        raise ConfigError(
+            f"the tokenizer of {name!r} maps {sum(i == unk for i in ids) / len(ids):.0%} of a sample of the training "
+            f"text to its unknown token {tokenizer.unk_token!r}{missing}; use the model's own tokenizer files"
+        )

@@ -37,6 +37,7 @@ from unittest import mock
 import torch
 
 from ft_accum.errors import ConfigError
+from ft_accum.loading import check_context_length
 
 GIB = 2**30
 CUDA_OVERHEAD_GIB = 0.6  # CUDA context + cuBLAS workspace, measured as 0.4–0.6 GiB on recent drivers
@@ -132,10 +133,19 @@ def load_model_config(model: str | Any):
     if (SHIPPED_CONFIGS / f"{model}.json").is_file():
         path = SHIPPED_CONFIGS / f"{model}.json"
     if path.is_file():
-        values = json.loads(path.read_text())
-        if "model_type" not in values:
+        try:
+            values = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid JSON ({exc}); pass a transformers config.json") from None
+        if not isinstance(values, dict) or "model_type" not in values:
             raise ConfigError(f"{path} has no model_type; it must be a transformers config.json")
-        return AutoConfig.for_model(**values)
+        try:
+            return AutoConfig.for_model(**values)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(
+                f"{path}: transformers does not know model_type {values['model_type']!r} ({str(exc).splitlines()[0][:120]}); "
+                "check the name, or upgrade transformers"
+            ) from None
     try:
         return AutoConfig.from_pretrained(str(model))
     except (OSError, ValueError) as exc:
@@ -405,6 +415,8 @@ def plan(
     The recommendation is the fastest candidate that fits (ties go to the larger micro-batch).
     """
     config = load_model_config(model)
+    # The recipes refuse a sequence longer than the model's positions; so must the plan (issue 19).
+    check_context_length(config, seq_len, "--seq_len")
     micros = candidate_micro_batches(effective_batch_size, num_processes)
     settings = {
         "task": task,

@@ -9,6 +9,7 @@ overlaid: this is how ten overnight experiments are compared in the morning.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +41,41 @@ def find_runs(paths: list[str]) -> list[Path]:
     return runs
 
 
+def read_records(metrics_file: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl. A last line cut off by a kill is skipped with a warning; a damaged
+    line before it is an error that names it (something other than a kill broke the file)."""
+    lines = [
+        (n, line) for n, line in enumerate(metrics_file.read_text(errors="replace").splitlines(), 1) if line.strip()
+    ]
+    records = []
+    for position, (number, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif position == len(lines) - 1:
+            print(
+                f"warning: {metrics_file} line {number} is cut off (a run killed while writing it); skipped it",
+                file=sys.stderr,
+            )
+        else:
+            raise ConfigError(
+                f"{metrics_file} line {number} is not a JSON object; the file is damaged, repair or remove that line"
+            )
+    return records
+
+
 def load_run(path: Path) -> dict[str, Any]:
-    records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read_records(path / "metrics.jsonl")
     if not records:
         raise ConfigError(f"{path / 'metrics.jsonl'} is empty: the run logged no update yet")
     results_path = path / "all_results.json"
-    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    try:
+        results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    except ValueError:
+        raise ConfigError(f"{results_path} is not valid JSON; rerun the last evaluation or remove the file") from None
     return {"name": path.name, "path": path, "records": records, "results": results}
 
 

@@ -79,6 +79,10 @@ def prepare_output_dir(
         raise ConfigError("--overwrite_output_dir and --resume_from_checkpoint contradict each other; give one")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--output_dir {path} is a file, not a folder; pick another --output_dir")
+    if is_main_process:
+        # First: a run still writing here must not have its files judged, let alone deleted (--overwrite_output_dir).
+        _make_writable(path)
+        lock_output_dir(path)
     if not resume and not overwrite:
         if (path / "all_results.json").exists():
             raise ConfigError(
@@ -92,6 +96,14 @@ def prepare_output_dir(
             )
     if not is_main_process:
         return
+    if overwrite:
+        for name in ("checkpoints", "final", "final_merged"):
+            shutil.rmtree(path / name, ignore_errors=True)
+        for name in ("metrics.jsonl", "all_results.json"):
+            (path / name).unlink(missing_ok=True)
+
+
+def _make_writable(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write-test"
@@ -101,11 +113,44 @@ def prepare_output_dir(
         raise ConfigError(
             f"cannot write to --output_dir {path} ({exc.strerror or exc}); pick a folder you can write to"
         ) from exc
-    if overwrite:
-        for name in ("checkpoints", "final", "final_merged"):
-            shutil.rmtree(path / name, ignore_errors=True)
-        for name in ("metrics.jsonl", "all_results.json"):
-            (path / name).unlink(missing_ok=True)
+
+
+LOCK_FILE = ".ft_accum.lock"
+_held_locks: dict[str, int] = {}
+
+
+def lock_output_dir(output_dir: str | os.PathLike) -> None:
+    """Hold an exclusive lock on `output_dir` for the rest of this run, or refuse naming the holder's PID.
+
+    `flock(2)` on `output_dir/.ft_accum.lock`: the kernel releases it when the holder exits, however it
+    exits (`kill -9` included), so a dead run never leaves a stale lock behind. Two runs in one folder
+    would otherwise interleave metrics.jsonl and overwrite each other's checkpoints (issue 19).
+    """
+    import fcntl
+
+    path = Path(output_dir).resolve()
+    if str(path) in _held_locks:
+        return
+    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(
+            f"--output_dir {output_dir} is in use by another run (PID {holder}); wait for it to end or stop it, "
+            "or choose another --output_dir (--overwrite_output_dir does not take a folder from a running run)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held_locks[str(path)] = fd
+
+
+def release_output_locks() -> None:
+    """Release the locks this process holds (a run's end; tests run several recipes in one process)."""
+    while _held_locks:
+        _, fd = _held_locks.popitem()
+        os.close(fd)  # closing the only descriptor releases the flock
 
 
 def append_metrics(output_dir: Path, record: dict[str, Any]) -> None:

@@ -38,6 +38,7 @@ import yaml
 
 from ft_accum.batch_arithmetic import BatchPlan
 from ft_accum.errors import ConfigError
+from ft_accum.run_outputs import lock_output_dir
 
 STATE_FILE = "sweep_state.json"
 SHORT_NAMES = {
@@ -302,6 +303,9 @@ def run_sweep(sweep_file: str, dry_run: bool = False, time_budget: str | None = 
             print(f"  {i:>2}. {run['name']:<40} {status:<9} {' '.join(f'--{k}={v}' for k, v in run['args'].items())}")
         return {"runs": saved}
     output_dir.mkdir(parents=True, exist_ok=True)
+    # One sweep per folder: a second would queue the same runs and rewrite sweep_state.json under the
+    # first. Each run's own folder is locked by the recipe that runs in it.
+    lock_output_dir(output_dir)
     state = reconcile_state(sweep, output_dir)
     write_state(output_dir, state)
     started, default_micro = time.monotonic(), _default_micro(Path(sweep["recipe"]))

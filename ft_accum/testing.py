@@ -53,6 +53,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def make_tiny_bert(path: Path) -> Path:
     """A 2-layer, 32-wide BERT classifier with dropout 0, saved like a hub checkpoint."""
+    Path(path).mkdir(parents=True, exist_ok=True)
     from transformers import (
         BertConfig,
         BertForSequenceClassification,

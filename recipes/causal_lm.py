@@ -88,8 +88,11 @@ class TaskArguments:
     def __post_init__(self):
         if self.block_size < 2:
             raise ConfigError(f"--block_size must be ≥ 2 (one input and one target token), got {self.block_size}")
-        if self.lora_r < 1:
-            raise ConfigError(f"--lora_r must be ≥ 1, got {self.lora_r}")
+        for name in ("lora_r", "lora_alpha", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
 
 
 NO_DECAY = ("bias", "norm.weight", "ln_f.weight", "ln_1.weight", "ln_2.weight")
@@ -125,7 +128,7 @@ def load_raw_data(task, args):
     raw = data_sources.load_splits(
         task, args.seed, lambda seed: offline_assets.load_bbc_news(seed=seed).remove_columns("label")
     )
-    data_sources.check_columns(raw, text_column=task.text_column)
+    raw = data_sources.check_columns(raw, text_column=task.text_column)
     raw = data_sources.drop_empty_rows(raw, task.text_column)
     data_sources.check_text_column(raw, task.text_column)
     raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
@@ -235,6 +238,9 @@ def train(task, args):
     raw = load_raw_data(task, args)
     with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
         model, tokenizer = build_model(task, args)
+    loading.check_tokenizer(
+        tokenizer, model, task.model_name_or_path or "the bundled model", raw["train"][:64][task.text_column]
+    )
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(task, args, accelerator, raw, tokenizer)
     optimizer = build_optimizer(model, args, args.scaled_learning_rate(plan.effective), NO_DECAY)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(

@@ -143,7 +143,7 @@ def load_raw_data(task, args):
     else:
         raw = offline_assets.load_digits_images(seed=args.seed)
     raw = data_sources.with_validation_split(raw, args.seed)
-    data_sources.check_columns(raw, image_column=task.image_column, label_column=task.label_column)
+    raw = data_sources.check_columns(raw, image_column=task.image_column, label_column=task.label_column)
     raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
     return raw, data_sources.label_names(raw, task.label_column)
 

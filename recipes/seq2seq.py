@@ -105,7 +105,7 @@ def build_model(task, args):
 
 def load_raw_data(task, args):
     raw = data_sources.load_splits(task, args.seed, lambda seed: offline_assets.load_bbc_headlines(seed=seed))
-    data_sources.check_columns(raw, source_column=task.source_column, target_column=task.target_column)
+    raw = data_sources.check_columns(raw, source_column=task.source_column, target_column=task.target_column)
     raw = data_sources.drop_empty_rows(raw, task.source_column, task.target_column)
     data_sources.check_text_column(raw, task.source_column)
     data_sources.check_text_column(raw, task.target_column)
@@ -193,6 +193,9 @@ def train(task, args):
 
     raw = load_raw_data(task, args)
     model, tokenizer = build_model(task, args)
+    loading.check_tokenizer(
+        tokenizer, model, task.model_name_or_path or "the bundled model", raw["train"][:64][task.source_column]
+    )
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(task, args, accelerator, raw, tokenizer, model)
     optimizer = build_optimizer(model, args, args.scaled_learning_rate(plan.effective), NO_DECAY)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(

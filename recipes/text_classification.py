@@ -70,7 +70,7 @@ NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight")
 
 def load_raw_data(task, args):
     raw = data_sources.load_splits(task, args.seed, lambda seed: offline_assets.load_bbc_news(seed=seed))
-    data_sources.check_columns(raw, text_column=task.text_column, label_column=task.label_column)
+    raw = data_sources.check_columns(raw, text_column=task.text_column, label_column=task.label_column)
     raw = data_sources.drop_empty_rows(raw, task.text_column, task.label_column)
     data_sources.check_text_column(raw, task.text_column)
     raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
@@ -152,6 +152,9 @@ def train(task, args):
 
     raw, label_names = load_raw_data(task, args)
     model, tokenizer = build_model(task, args, label_names)
+    loading.check_tokenizer(
+        tokenizer, model, task.model_name_or_path or "the bundled model", raw["train"][:64][task.text_column]
+    )
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(
         task, args, accelerator, raw, tokenizer, label_names
     )

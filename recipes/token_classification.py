@@ -114,7 +114,7 @@ def load_raw_data(task, args):
         task, args.seed, lambda seed: offline_assets.load_punctuation_restoration(seed=seed)
     )
     label_column = task.label_column or data_sources.find_tags_column(raw["train"])
-    data_sources.check_columns(raw, tokens_column=task.tokens_column, label_column=label_column)
+    raw = data_sources.check_columns(raw, tokens_column=task.tokens_column, label_column=label_column)
     raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
     return raw, label_column, data_sources.tag_names(raw, task.tokens_column, label_column)
 
@@ -200,6 +200,12 @@ def train(task, args):
 
     raw, label_column, label_names = load_raw_data(task, args)
     model, tokenizer = build_model(task, args, label_names)
+    loading.check_tokenizer(
+        tokenizer,
+        model,
+        task.model_name_or_path or "the bundled model",
+        [" ".join(words) for words in raw["train"][:64][task.tokens_column]],
+    )
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(
         task, args, accelerator, raw, tokenizer, label_column, label_names
     )

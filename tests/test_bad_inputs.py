@@ -89,6 +89,15 @@ def remote_code_model_dir(tmp_path_factory, tiny_model_dir):
     return path
 
 
+def model_without_tokenizer(path: Path, model_dir: Path) -> Path:
+    """Only config.json and the weights, as a user who copies two files gets: transformers then builds
+    a 5-token tokenizer that maps every word to [UNK] (issue 19)."""
+    path.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model_dir / name, path / name)
+    return path
+
+
 def bad_files(folder: Path) -> dict[str, Path]:
     """Data files that are wrong in one way each."""
     rows = make_rows(12, seed=3)
@@ -106,6 +115,9 @@ def bad_files(folder: Path) -> dict[str, Path]:
         ),
         "jsonl_unseen_label": "".join(json.dumps({"text": r["text"], "label": "weather"}) + "\n" for r in rows),
         "jsonl_one_word": "".join(json.dumps({"text": "goal"}) + "\n" for _ in rows),
+        "jsonl_one_class": "".join(json.dumps({"text": r["text"], "label": "sport"}) + "\n" for r in rows),
+        "jsonl_list_line": "".join(json.dumps(r) + "\n" for r in rows[:2]) + "[1, 2]\n" + json.dumps(rows[3]) + "\n",
+        "jsonl_no_label": "".join(json.dumps({"text": r["text"], "topic": r["label"]}) + "\n" for r in rows),
     }
     paths = {}
     for name, text in files.items():
@@ -187,7 +199,64 @@ CASES = {
     "int labels in train, names in validation": (
         "text_classification",
         lambda c: {"train_file": c["files"]["jsonl_int_labels"]},
-        ["'tech' as a scalar of type int64", "one type"],
+        ["holds different kinds of value per split", "the same way in every file"],
+    ),
+    # Issue 19: the silent failures, and input that reached code we don't own.
+    "a single class in the train split": (
+        "text_classification",
+        lambda c: {"train_file": c["files"]["jsonl_one_class"], "validation_file": None},
+        ["a single class in the train split ('sport')", "at least two classes"],
+    ),
+    "a model folder without tokenizer files": (
+        "text_classification",
+        lambda c: {"model_name_or_path": c["bare_model"]},
+        ["unknown token", "holds no tokenizer files", "tokenizer.json"],
+    ),
+    "a jsonl line that is not an object": (
+        "text_classification",
+        lambda c: {"train_file": c["files"]["jsonl_list_line"], "validation_file": None},
+        ["jsonl_list_line.jsonl", "line 3 is a JSON list, not an object"],
+    ),
+    "train and validation files of different formats": (
+        "text_classification",
+        lambda c: {"validation_file": c["files"]["csv_extra_fields"]},
+        ["are of different formats", "give both as jsonl"],
+    ),
+    "a validation file without the label column": (
+        "text_classification",
+        lambda c: {"validation_file": c["files"]["jsonl_no_label"]},
+        ["--label_column 'label' is not a column of the validation split", "its columns are text, topic"],
+    ),
+    "negative learning rate": (
+        "text_classification",
+        lambda c: {"learning_rate": -1e-4},
+        ["--learning_rate must be > 0"],
+    ),
+    "zero learning rate (LM)": ("causal_lm", lambda c: {"learning_rate": 0}, ["--learning_rate must be > 0, got 0.0"]),
+    "NaN learning rate": (
+        "text_classification",
+        lambda c: {"learning_rate": "nan"},
+        ["--learning_rate must be a finite"],
+    ),
+    "infinite learning rate (LM)": (
+        "causal_lm",
+        lambda c: {"learning_rate": "inf"},
+        ["--learning_rate must be a finite"],
+    ),
+    "resume from a file, not a checkpoint folder": (
+        "text_classification",
+        lambda c: {"resume_from_checkpoint": c["out"] / "checkpoints" / "step_000002" / "training_state.json"},
+        ["is a file", "pass its checkpoint folder", "step_000002"],
+    ),
+    "an unknown flag": (
+        "causal_lm",
+        lambda c: {"learning_rat": 1e-4},
+        ["unknown argument(s) --learning_rat", "--help"],
+    ),
+    "a flag value of the wrong type": (
+        "text_classification",
+        lambda c: {"per_device_train_batch_size": 4.5},
+        ["--per_device_train_batch_size", "invalid int value: '4.5'"],
     ),
     "validation label the train split lacks": (
         "text_classification",
@@ -311,6 +380,7 @@ def test_bad_input(
         "files": bad_files(tmp_path),
         "other_model": other_model_dir,
         "remote_model": remote_code_model_dir,
+        "bare_model": model_without_tokenizer(tmp_path / "bare-model", tiny_model_dir),
     }
     settings = {**COMMON, "resume_from_checkpoint": "latest", **overrides(context)}
     if removed := settings.pop("_remove", None):
