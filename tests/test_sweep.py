@@ -239,3 +239,22 @@ def test_time_budget_parsing():
     assert sweep_module.parse_duration("8h") == 8 * 3600
     assert sweep_module.parse_duration("1h30m") == 5400 and sweep_module.parse_duration("45s") == 45
     assert sweep_module.parse_duration(90) == 90
+
+
+def test_a_second_sweep_on_a_busy_folder_refuses_with_the_holders_pid(tmp_path, tiny_model_dir, data_files):
+    """One sweep per output folder: a second would queue the same runs and rewrite sweep_state.json."""
+    path = write_sweep(tmp_path, tiny_model_dir, data_files, grid={"learning_rate": [1e-3]})
+    (tmp_path / "sweep_out").mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from ft_accum.run_outputs import lock_output_dir; "
+         f"lock_output_dir({str(tmp_path / 'sweep_out')!r}); print('locked', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        result = subprocess.run(sweep_command(path), capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert result.returncode != 0
+        assert f"is in use by another run (PID {holder.pid})" in result.stderr.strip().splitlines()[-1]
+    finally:
+        holder.kill()
+        holder.wait()
