@@ -267,6 +267,19 @@ def read_yaml_config(path: str | Path, *config_classes: type) -> dict:
     return {key: typed_value(value, hints[key], f"--config {path}: {key}") for key, value in values.items()}
 
 
+def read_yaml(path: Path, what: str = "") -> typing.Any:
+    """`yaml.safe_load` of `path` (None → {}), with a syntax error as one ConfigError line naming its place."""
+    try:
+        return yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(
+            f"{what}{path} is not valid YAML{line}: {problem}; write one 'setting: value' per line"
+        ) from None
+
+
 def typed_value(value, hint, where: str):
     """`value` as the field type `hint` wants (int, float, bool, str, or Optional of one), or a ConfigError."""
     optional = type(None) in typing.get_args(hint)

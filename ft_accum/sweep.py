@@ -34,8 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from ft_accum.arguments import read_yaml, typed_value
 from ft_accum.batch_arithmetic import BatchPlan
 from ft_accum.errors import ConfigError
 from ft_accum.run_outputs import lock_output_dir
@@ -81,19 +80,33 @@ def recipe_path(recipe: str, sweep_file: Path) -> Path:
     raise ConfigError(f"unknown recipe {recipe!r}; use one of {', '.join(known)}, or a path to a recipe file")
 
 
-def recipe_settings(path: Path) -> set[str]:
+def recipe_settings(path: Path) -> dict[str, Any]:
     """The recipe's settings: the fields of its TaskArguments dataclass, read with `ast` (nothing is
     imported or run), and those of the shared `arguments.TrainingArguments`."""
-    import dataclasses
+    import typing
 
     from ft_accum.arguments import TrainingArguments
 
     tree = ast.parse(path.read_text())
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "TaskArguments":
-            task = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
-            return task | {f.name for f in dataclasses.fields(TrainingArguments)}
+            task = {
+                n.target.id: _annotation_type(ast.unparse(n.annotation))
+                for n in node.body
+                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            }
+            return task | typing.get_type_hints(TrainingArguments)
     raise ConfigError(f"{path} has no TaskArguments dataclass, so its settings cannot be checked")
+
+
+def _annotation_type(text: str):
+    """`Optional[int]` → Optional[int], from the annotation's source text (the recipe is not imported)."""
+    import typing
+
+    base = {"int": int, "float": float, "bool": bool, "str": str}
+    inner = text.removeprefix("Optional[").removesuffix("]") if text.startswith("Optional[") else text
+    kind = base.get(inner.replace(" | None", ""), str)
+    return typing.Optional[kind] if text.startswith("Optional[") or "| None" in text else kind
 
 
 def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
@@ -101,7 +114,7 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
     path = Path(sweep_file)
     if not path.is_file():
         raise ConfigError(f"sweep file {path} does not exist")
-    spec = yaml.safe_load(path.read_text()) or {}
+    spec = read_yaml(path)
     if not isinstance(spec, dict):
         raise ConfigError(f"{path} must hold a mapping (recipe, accelerate_config, base, grid or runs)")
     unknown = sorted(
@@ -121,10 +134,14 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
             raise ConfigError(f"accelerate_config {accelerate_config} does not exist; see accelerate_configs/")
         accelerate_config = str(config_path.resolve())
     base = spec.get("base") or {}
+    if not isinstance(base, dict):
+        raise ConfigError(f"{path}: base must be a mapping of setting: value, got {type(base).__name__}")
     if "grid" in spec and "runs" in spec:
         raise ConfigError(f"{path} has both grid and runs; give one")
     if "grid" in spec:
         grid = spec["grid"] or {}
+        if not isinstance(grid, dict):
+            raise ConfigError(f"{path}: grid must be a mapping of setting: [values], e.g. learning_rate: [1e-5, 3e-5]")
         if not grid or any(not isinstance(v, list) or not v for v in grid.values()):
             raise ConfigError(
                 f"{path}: the grid is empty; give each setting a non-empty list, e.g. learning_rate: [1e-5, 3e-5]"
@@ -139,11 +156,13 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{path} has neither grid nor runs; add e.g. `grid: {{learning_rate: [1e-5, 3e-5]}}`")
     valid = recipe_settings(recipe)
     for variant in [base, *variants]:
-        bad = sorted(set(variant) - valid)
+        bad = sorted(set(variant) - set(valid))
         if bad:
             raise ConfigError(
                 f"{path}: {', '.join(bad)} is not a setting of {recipe.name}; valid: {', '.join(sorted(valid))}"
             )
+        for key, value in variant.items():  # a wrong type fails here, not as a failed run hours later
+            typed_value(value, valid[key], f"{path}: {key}")
     if any("output_dir" in v or "resume_from_checkpoint" in v for v in [base, *variants]):
         raise ConfigError(f"{path}: the sweep sets output_dir and resume_from_checkpoint itself; remove them")
     varied = sorted({k for v in variants for k in v})

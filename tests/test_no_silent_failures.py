@@ -232,3 +232,22 @@ def test_one_run_per_output_folder_and_kill_9_frees_it(tmp_path, tiny_model_dir,
     assert results["num_update_steps"] == done + 4
     steps = [r["step"] for r in read_metrics(out)]
     assert steps == list(range(1, done + 5)), "metrics.jsonl holds each update once, in order"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("recipe: text_classification\n  grid: [1\n", "is not valid YAML at line 2"),
+        ("recipe: text_classification\ngrid: 5\n", "grid must be a mapping"),
+        ("recipe: text_classification\nbase: [1]\ngrid: {seed: [1]}\n", "base must be a mapping"),
+        (
+            "recipe: text_classification\ngrid: {per_device_train_batch_size: [4.5]}\n",
+            "must be a whole number, got 4.5",
+        ),
+        ("recipe: text_classification\ntimeout_per_run: abc\ngrid: {seed: [1]}\n", "cannot read the duration"),
+    ],
+)
+def test_sweep_file_mistakes_are_one_line(tmp_path, text, expected):
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(text)
+    assert expected in cli_error(["sweep", str(sweep_file), "--dry-run"])
