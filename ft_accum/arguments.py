@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,6 +236,17 @@ def run_main(train, task_class: type, argv: list[str] | None, description: str |
         return train(*parse_args(task_class, argv, description, **recipe_defaults))
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
+    except OSError as exc:  # a path the user gave: unreadable, unwritable, full
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise SystemExit(
+            f"error: {exc.strerror or exc}{where}; check the path and its permissions or free space"
+        ) from None
+    except KeyboardInterrupt:  # before the loop's graceful stop is installed, or after it: nothing half-done to save
+        print(
+            "error: stopped by Ctrl-C; resume with --resume_from_checkpoint latest if a checkpoint was saved",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None
     finally:
         release_output_locks()
 

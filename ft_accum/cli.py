@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
+    except OSError as exc:  # a path the user gave: unreadable, unwritable, full
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise SystemExit(
+            f"error: {exc.strerror or exc}{where}; check the path and its permissions or free space"
+        ) from None
     finally:
         release_output_locks()
 
