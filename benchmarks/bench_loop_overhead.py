@@ -150,7 +150,9 @@ def run_accelerate(task, model_dir, accumulation, updates):
     torch.manual_seed(SEED)
     model, collate, rows = load_inputs(task, model_dir, updates * MICRO * accumulation)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE[task])
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=LEARNING_RATE[task], fused=True
+    )  # as the recipes and the Trainer
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
     loader = DataLoader(rows, batch_size=MICRO, shuffle=True, collate_fn=collate)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)

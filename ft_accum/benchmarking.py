@@ -63,7 +63,8 @@ def plain_accumulation_loop(model, loader, updates: int, accumulation: int, lear
     import torch
     from transformers import get_scheduler
 
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate)
+    # fused: what the recipes and the Trainer use, so that only the loop differs between contenders (issue 16)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate, fused=True)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
     model.train()
     clock = UpdateClock()
