@@ -30,7 +30,9 @@ import math
 import re
 from dataclasses import dataclass
 
+from ft_accum.batch_arithmetic import apply_batch_plan
 from ft_accum.errors import ConfigError
+from ft_accum.lr_schedule import build_lr_scheduler
 
 FORMAT = (
     '"UPDATE:EFFECTIVE_BATCH,..." (e.g. "100:64,300:128"), "epochN:EFFECTIVE_BATCH,..." '
@@ -271,8 +273,6 @@ class AccumulationScheduler:
 
     def lr_scheduler(self, optimizer):
         """--lr_scheduler_type over the planned updates (see lr_schedule); pass it through `accelerator.prepare`."""
-        from ft_accum.lr_schedule import build_lr_scheduler
-
         return build_lr_scheduler(
             self.args.lr_scheduler_type, optimizer, self.args.num_warmup_steps, self.num_update_steps, self.processes
         )
@@ -281,8 +281,6 @@ class AccumulationScheduler:
         """The plan of the window about to start; a change re-applies --lr_scaling to the new effective batch."""
         if self.schedule is None:
             return plan
-        from ft_accum.batch_arithmetic import apply_batch_plan
-
         target = next_effective_batch(
             self.schedule,
             self.start,

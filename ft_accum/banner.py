@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ft_accum.batch_arithmetic import effective_batch_size
+from ft_accum.batch_arithmetic import BatchPlan
 
 
 def format_banner(
@@ -26,12 +26,10 @@ def format_banner(
     learning rate 5e-05 at batch 32 → 5e-05 at batch 32 (sqrt)
     ...
     """
-    effective = effective_batch_size(per_device_train_batch_size, gradient_accumulation_steps, num_processes)
+    plan = BatchPlan(per_device_train_batch_size, gradient_accumulation_steps, num_processes)
+    effective = plan.effective
     rows = {
-        "batch": (
-            f"{per_device_train_batch_size} micro × {gradient_accumulation_steps} accumulation × "
-            f"{num_processes} process{'es' if num_processes != 1 else ''} = {effective} {unit} per update"
-        ),
+        "batch": plan.describe(unit),
         "learning rate": lr_line,
         "precision": mixed_precision if mixed_precision != "no" else "fp32",
         "grad checkpointing": "on" if gradient_checkpointing else "off",

@@ -277,20 +277,6 @@ def check_finite_parameters(model, what: str) -> None:
         )
 
 
-def batches_to_skip(
-    completed_updates: int, epoch: int, updates_per_epoch: int, gradient_accumulation_steps: int
-) -> int:
-    """Batches of `epoch` (per process) that a run resumed after `completed_updates` has already seen.
-
-    Checkpoints are taken at sync steps, so the resumed epoch has consumed (completed % per_epoch)
-    whole windows of N batches; later epochs start from their first batch. Pass the result to
-    `accelerator.skip_first_batches`.
-    """
-    if epoch != completed_updates // updates_per_epoch:
-        return 0
-    return (completed_updates % updates_per_epoch) * gradient_accumulation_steps
-
-
 def load_training_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """The `training_state.json` saved beside the accelerator state."""
     return json.loads((Path(checkpoint) / STATE_FILE).read_text())

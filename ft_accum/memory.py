@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from ft_accum.batch_arithmetic import apply_batch_plan
+
 
 def peak_memory_gb(device: torch.device) -> float:
     """Peak bytes allocated by PyTorch on a CUDA device, else the process's peak RSS, in GiB.
@@ -64,7 +66,6 @@ class OutOfMemoryRetry:
         """Re-raise `exc` unless it is an OOM this retry handles; else (new dataloader, new plan)."""
         if not (self.enabled and is_out_of_memory(exc)):
             raise exc
-        from ft_accum.batch_arithmetic import apply_batch_plan
         from ft_accum.data_sources import seeded_train_dataloader
 
         optimizer.zero_grad(set_to_none=True)

@@ -156,8 +156,9 @@ class NoiseScaleMeter:
 
     `after_backward` after each micro-batch's backward, `at_sync` once per update (it returns the
     metrics.jsonl columns and keeps the EMA in the training state, so a resume carries it on).
-    `unit` is what the loss is a mean over: "samples", or "tokens" for token-weighted losses, in
-    which the noise scale is then measured. Disabled, every hook is a no-op.
+    `unit` is what the loss is a mean over: "samples", or a kind of token ("target tokens",
+    "labelled tokens") for token-weighted losses, whose counts the training state keeps in
+    `tokens_seen`; the noise scale is measured in that unit. Disabled, every hook is a no-op.
     """
 
     def __init__(self, enabled: bool, model: torch.nn.Module, plan, unit: str = "samples"):
@@ -197,11 +198,11 @@ class NoiseScaleMeter:
         if not state.noise_scale_ema:
             return None
         measured = noise_scale(state.noise_scale_ema)
-        return measured if self.unit == "samples" else measured * state.samples_seen / state.items_seen
+        return measured if self.unit == "samples" else measured * state.samples_seen / state.tokens_seen
 
     def advice(self, state) -> str | None:
         """The end-of-run line of `advise_effective_batch`, at the run's mean batch in the meter's unit."""
         if not (self.enabled and state.noise_scale_ema):
             return None
-        batch = state.effective_batch_size if self.unit == "samples" else round(state.items_seen / state.step)
+        batch = state.effective_batch_size if self.unit == "samples" else round(state.tokens_seen / state.step)
         return advise_effective_batch(noise_scale(state.noise_scale_ema), batch, self.unit)

@@ -31,7 +31,6 @@ class TrainingState:
     scheduler_steps: int = 0  # LR-scheduler steps: = step, except under an adaptive schedule
     last_change: int = 0  # the update at which the effective batch last changed
     samples_seen: int = 0
-    items_seen: int = 0  # what the loss is a mean over: samples, or target tokens
     tokens_seen: int = 0
     train_seconds: float = 0.0
     skipped_updates: int = 0  # fp16 overflow
@@ -52,7 +51,6 @@ class TrainingState:
         self.scheduler_steps += scheduler_steps
         self.epoch_samples += plan.micro * totals.micro_batches
         self.samples_seen += int(totals.samples)
-        self.items_seen += int(totals.items)
         self.tokens_seen += int(totals.tokens)
         self.skipped_updates += skipped
         self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0

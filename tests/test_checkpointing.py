@@ -72,23 +72,6 @@ def test_names_sort_in_step_order():
     assert names == sorted(names) == ["step_000002", "step_000010", "step_100000"]
 
 
-@pytest.mark.parametrize(
-    "completed, epoch, expected",
-    [
-        (0, 0, 0),  # fresh start
-        (3, 0, 12),  # 3 of 5 windows of epoch 0 done: skip 3 × 4 batches
-        (5, 0, 0),  # epoch 0 finished: the loop starts at epoch 1 anyway
-        (5, 1, 0),  # ... which has seen nothing
-        (7, 1, 8),  # 2 windows into epoch 1
-        (7, 2, 0),  # a later epoch starts from its first batch
-    ],
-)
-def test_batches_to_skip_on_resume(completed, epoch, expected):
-    assert (
-        checkpointing.batches_to_skip(completed, epoch, updates_per_epoch=5, gradient_accumulation_steps=4) == expected
-    )
-
-
 def test_manifest_records_every_file(tmp_path, accelerator):
     prepared(accelerator)
     path = checkpointing.save_checkpoint(accelerator, tmp_path, 1, {})
