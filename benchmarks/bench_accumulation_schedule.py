@@ -19,9 +19,10 @@ of `ft-accum report` in benchmarks/results/accumulation_schedule/.
 import argparse
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from ft_accum.testing import launch_command, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -33,31 +34,28 @@ CONTENDERS = {
 
 
 def run(name: str, extra: list[str], seed: int, args, out: Path) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / "cpu.yaml"),
-        str(ROOT / "recipes" / "text_classification.py"),
-        "--config",
-        str(ROOT / "recipes" / "configs" / "text_classification.yaml"),
-        "--per_device_train_batch_size=8",
-        f"--seed={seed}",
-        f"--max_train_samples={args.max_train_samples}",
-        f"--num_train_epochs={args.num_train_epochs}",
-        "--checkpointing_steps=1000",
-        "--report_to=none",
-        f"--output_dir={out}",
-        "--overwrite_output_dir",
-        *extra,
-    ]
+    command, env = launch_command(
+        "text_classification",
+        [
+            "--config",
+            str(ROOT / "recipes" / "configs" / "text_classification.yaml"),
+            "--per_device_train_batch_size=8",
+            f"--seed={seed}",
+            f"--max_train_samples={args.max_train_samples}",
+            f"--num_train_epochs={args.num_train_epochs}",
+            "--checkpointing_steps=1000",
+            "--report_to=none",
+            f"--output_dir={out}",
+            "--overwrite_output_dir",
+            *extra,
+        ],
+    )
     started = time.perf_counter()
-    finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     if finished.returncode:
         raise SystemExit(f"{name} failed:\n{finished.stderr[-3000:]}")
     results = json.loads((out / "all_results.json").read_text())
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out)
     advice = [line for line in finished.stdout.splitlines() if "noise scale" in line]
     return {
         "contender": name,

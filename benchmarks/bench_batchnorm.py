@@ -18,8 +18,9 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
+
+from ft_accum.testing import launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTENDERS = {
@@ -31,25 +32,22 @@ CONTENDERS = {
 
 
 def run(extra: list[str], seed: int, epochs: int, out: Path) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / "cpu.yaml"),
-        str(ROOT / "recipes" / "image_classification.py"),
-        "--config",
-        str(ROOT / "recipes" / "configs" / "image_classification.yaml"),
-        "--effective_batch_size=32",
-        f"--seed={seed}",
-        f"--num_train_epochs={epochs}",
-        "--checkpointing_steps=100000",
-        "--report_to=none",
-        f"--output_dir={out}",
-        "--overwrite_output_dir",
-        *extra,
-    ]
-    finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    command, env = launch_command(
+        "image_classification",
+        [
+            "--config",
+            str(ROOT / "recipes" / "configs" / "image_classification.yaml"),
+            "--effective_batch_size=32",
+            f"--seed={seed}",
+            f"--num_train_epochs={epochs}",
+            "--checkpointing_steps=100000",
+            "--report_to=none",
+            f"--output_dir={out}",
+            "--overwrite_output_dir",
+            *extra,
+        ],
+    )
+    finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     if finished.returncode:
         raise SystemExit(finished.stderr[-3000:])
     results = json.loads((out / "all_results.json").read_text())

@@ -10,34 +10,31 @@ Results go to benchmarks/results/noise_scale.json and a line on stdout.
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from ft_accum.benchmarking import steady_rate, summarize
+from ft_accum.testing import launch_command, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(measure: bool, updates: int, out: Path) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / "cpu.yaml"),
-        str(ROOT / "recipes" / "text_classification.py"),
-        "--per_device_train_batch_size=8",
-        "--gradient_accumulation_steps=4",
-        f"--max_train_steps={updates}",
-        f"--max_train_samples={32 * updates}",
-        "--max_eval_samples=32",
-        "--report_to=none",
-        f"--output_dir={out}",
-        *(["--measure_noise_scale"] if measure else []),
-    ]
-    subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    command, env = launch_command(
+        "text_classification",
+        [
+            "--per_device_train_batch_size=8",
+            "--gradient_accumulation_steps=4",
+            f"--max_train_steps={updates}",
+            f"--max_train_samples={32 * updates}",
+            "--max_eval_samples=32",
+            "--report_to=none",
+            f"--output_dir={out}",
+            *(["--measure_noise_scale"] if measure else []),
+        ],
+    )
+    subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT, env=env)
+    records = read_metrics(out)
     return {
         "samples_per_second": steady_rate([r["samples_per_second"] for r in records]),
         "noise_scale": records[-1].get("noise_scale"),

@@ -87,13 +87,13 @@ def make_tiny_bert(path: Path) -> Path:
     return path
 
 
-def tiny_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **overrides) -> list[str]:
-    """Recipe flags for a fast, deterministic run on the tiny model (fp32, no tracker)."""
-    settings = {
+def recipe_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **settings) -> list[str]:
+    """Flags for a fast, deterministic run of any recipe on a tiny model (fp32, no LR scaling, no
+    tracker). `settings` add to or override these; a value of None drops the flag."""
+    defaults = {
         "model_name_or_path": model_dir,
         "train_file": data["train"],
         "validation_file": data["validation"],
-        "max_seq_length": 48,
         "learning_rate": 1e-3,
         "lr_scaling": "none",
         "num_warmup_steps": 0,
@@ -103,8 +103,12 @@ def tiny_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **overri
         "report_to": "none",
         "seed": 7,
     }
-    settings.update(overrides)
-    return [f"--{k}={v}" for k, v in settings.items() if v is not None]
+    return [f"--{k}={v}" for k, v in {**defaults, **settings}.items() if v is not None]
+
+
+def tiny_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **overrides) -> list[str]:
+    """`recipe_args` for the classification recipes: 48 tokens per sequence."""
+    return recipe_args(model_dir, data, output_dir, **{"max_seq_length": 48, **overrides})
 
 
 def load_recipe(name: str):
@@ -240,23 +244,8 @@ def make_tiny_lm(arch: str, path: Path) -> Path:
 
 
 def tiny_lm_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **overrides) -> list[str]:
-    """causal_lm flags for a fast, deterministic fp32 run on a tiny model."""
-    settings = {
-        "model_name_or_path": model_dir,
-        "train_file": data["train"],
-        "validation_file": data["validation"],
-        "block_size": 48,
-        "learning_rate": 1e-3,
-        "lr_scaling": "none",
-        "num_warmup_steps": 0,
-        "weight_decay": 0.0,
-        "num_train_epochs": 1,
-        "output_dir": output_dir,
-        "report_to": "none",
-        "seed": 7,
-    }
-    settings.update(overrides)
-    return [f"--{k}={v}" for k, v in settings.items() if v is not None]
+    """`recipe_args` for causal_lm: blocks of 48 tokens."""
+    return recipe_args(model_dir, data, output_dir, **{"block_size": 48, **overrides})
 
 
 def snapshot(folder: Path) -> dict[str, str]:

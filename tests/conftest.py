@@ -29,6 +29,7 @@ from ft_accum.testing import (  # noqa: F401  (re-exported for the test modules)
     make_tiny_lm,
     max_abs_difference,
     read_metrics,
+    recipe_args,
     relative_error,
     run_in_process,
     snapshot,

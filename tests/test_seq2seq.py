@@ -19,6 +19,7 @@ from conftest import (
     launch,
     max_abs_difference,
     read_metrics,
+    recipe_args,
     run_in_process,
     write_jsonl,
 )
@@ -69,23 +70,7 @@ def tiny_t5_dir(tmp_path_factory, tiny_model_dir):
 
 
 def s2s_args(model_dir, data, output_dir, **overrides):
-    settings = {
-        "model_name_or_path": model_dir,
-        "train_file": data["train"],
-        "validation_file": data["validation"],
-        "max_source_length": 48,
-        "max_target_length": 16,
-        "learning_rate": 1e-3,
-        "lr_scaling": "none",
-        "num_warmup_steps": 0,
-        "weight_decay": 0.0,
-        "num_train_epochs": 1,
-        "output_dir": output_dir,
-        "report_to": "none",
-        "seed": 7,
-    }
-    settings.update(overrides)
-    return [f"--{k}={v}" for k, v in settings.items() if v is not None]
+    return recipe_args(model_dir, data, output_dir, **{"max_source_length": 48, "max_target_length": 16, **overrides})
 
 
 @pytest.mark.parametrize("model", ["t5", "warm-started bert2bert"])

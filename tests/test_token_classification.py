@@ -20,6 +20,7 @@ from conftest import (
     launch,
     max_abs_difference,
     read_metrics,
+    recipe_args,
     run_in_process,
     write_jsonl,
 )
@@ -76,22 +77,7 @@ def tag_files(tmp_path_factory):
 
 
 def tagger_args(model_dir, data, output_dir, **overrides):
-    settings = {
-        "model_name_or_path": model_dir,
-        "train_file": data["train"],
-        "validation_file": data["validation"],
-        "max_seq_length": 64,
-        "learning_rate": 1e-3,
-        "lr_scaling": "none",
-        "num_warmup_steps": 0,
-        "weight_decay": 0.0,
-        "num_train_epochs": 1,
-        "output_dir": output_dir,
-        "report_to": "none",
-        "seed": 7,
-    }
-    settings.update(overrides)
-    return [f"--{k}={v}" for k, v in settings.items() if v is not None]
+    return recipe_args(model_dir, data, output_dir, **{"max_seq_length": 64, **overrides})
 
 
 def test_accumulation_matches_the_full_batch_with_varying_labelled_tokens(tmp_path, tiny_tagger_dir, tag_files):
