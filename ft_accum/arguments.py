@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from transformers import HfArgumentParser, SchedulerType
 
 from ft_accum.accumulation_schedule import parse_accumulation_schedule
 from ft_accum.batch_arithmetic import BatchPlan, check_accumulation_settings
-from ft_accum.errors import ConfigError
+from ft_accum.errors import ConfigError, one_line_errors
 from ft_accum.lr_scaling import POLICIES, scale_learning_rate
 
 T = TypeVar("T")
@@ -140,8 +139,6 @@ class TrainingArguments:
             "max_train_samples",
             "max_eval_samples",
         )
-        require_at_least(self, 0, "num_warmup_steps", "max_consecutive_skipped_updates", "seed")
-        require_finite(self, "learning_rate", "weight_decay", "max_grad_norm")
         if self.learning_rate <= 0:
             raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
         require_at_least(self, 0, "weight_decay", "max_grad_norm")
@@ -159,6 +156,7 @@ class TrainingArguments:
             raise ConfigError(f"--lr_scaling must be one of {', '.join(POLICIES)}, got {self.lr_scaling!r}")
         schedule = parse_accumulation_schedule(self.accumulation_schedule)
         self.measure_noise_scale |= bool(schedule and schedule.unit == "adaptive")
+        check_field_values(self)  # after the specific checks, whose messages say more
 
     def batch_plan(self, num_processes: int) -> BatchPlan:
         """micro × accumulation × processes for this run (see batch_arithmetic)."""
@@ -205,8 +203,7 @@ def parse_args(
     )
     if unknown:
         raise ConfigError(f"unknown argument(s) {' '.join(unknown)}; see --help for the settings")
-    for config in (task_args, training_args):
-        check_field_values(config)
+    check_field_values(task_args)  # TrainingArguments checks itself in __post_init__
     return task_args, training_args
 
 
@@ -228,27 +225,9 @@ def _one_line_error(message: str):
 
 
 def run_main(train, task_class: type, argv: list[str] | None, description: str | None, **recipe_defaults):
-    """A recipe's `main`: parse, train, and turn a ConfigError into one `error:` line and exit code 1.
-    The output folder's lock (run_outputs.lock_output_dir) is released however the run ends."""
-    from ft_accum.run_outputs import release_output_locks
-
-    try:
+    """A recipe's `main`: parse and train, with input errors as one `error:` line (errors.one_line_errors)."""
+    with one_line_errors():
         return train(*parse_args(task_class, argv, description, **recipe_defaults))
-    except ConfigError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    except OSError as exc:  # a path the user gave: unreadable, unwritable, full
-        where = f" ({exc.filename})" if exc.filename else ""
-        raise SystemExit(
-            f"error: {exc.strerror or exc}{where}; check the path and its permissions or free space"
-        ) from None
-    except KeyboardInterrupt:  # before the loop's graceful stop is installed, or after it: nothing half-done to save
-        print(
-            "error: stopped by Ctrl-C; resume with --resume_from_checkpoint latest if a checkpoint was saved",
-            file=sys.stderr,
-        )
-        raise SystemExit(130) from None
-    finally:
-        release_output_locks()
 
 
 def read_yaml_config(path: str | Path, *config_classes: type) -> dict:
@@ -314,14 +293,6 @@ def typed_value(value, hint, where: str):
     kind = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}.get(base, str(base))
     hint_text = " (quote it: YAML reads 100:30 as the number 6030)" if base is str else ""
     raise ConfigError(f"{where} must be {kind}, got {value!r}{hint_text}")
-
-
-def require_finite(config, *names: str) -> None:
-    """Each named number must be finite: NaN or infinity would train nonsense without an error."""
-    for name in names:
-        value = getattr(config, name)
-        if value is not None and not math.isfinite(value):
-            raise ConfigError(f"--{name} must be a finite number, got {value}")
 
 
 def require_at_least(config, minimum: int, *names: str) -> None:

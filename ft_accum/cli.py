@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from ft_accum.errors import ConfigError
+from ft_accum.errors import one_line_errors
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -177,19 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise SystemExit(f"error: --{name} must be ≥ 1, got {value}")
-    from ft_accum.run_outputs import release_output_locks
-
-    try:
+    with one_line_errors():
         return args.handler(args)
-    except ConfigError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    except OSError as exc:  # a path the user gave: unreadable, unwritable, full
-        where = f" ({exc.filename})" if exc.filename else ""
-        raise SystemExit(
-            f"error: {exc.strerror or exc}{where}; check the path and its permissions or free space"
-        ) from None
-    finally:
-        release_output_locks()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,38 @@
-"""The one error type the recipes turn into a one-line message instead of a traceback."""
+"""The one error type the recipes turn into a one-line message instead of a traceback, and the one
+place that turns it (and the other errors a user's input can cause) into that line."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
 
 
 class ConfigError(ValueError):
     """A setting or an input is wrong. The message names the problem and the fix."""
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Around a recipe's `main` or an `ft-accum` command: a ConfigError, an OSError on a user's path
+    (unreadable, unwritable, full) or a Ctrl-C outside the loop's graceful stop ends as one `error:`
+    line and a non-zero exit (130 for Ctrl-C), never a traceback. The output folders' locks
+    (run_outputs.lock_output_dir) are released however it ends."""
+    from ft_accum.run_outputs import release_output_locks
+
+    try:
+        yield
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise SystemExit(
+            f"error: {exc.strerror or exc}{where}; check the path and its permissions or free space"
+        ) from None
+    except KeyboardInterrupt:
+        print(
+            "error: stopped by Ctrl-C; resume with --resume_from_checkpoint latest if a checkpoint was saved",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None
+    finally:
+        release_output_locks()
