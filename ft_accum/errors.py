@@ -22,13 +22,16 @@ def one_line_errors():
     try:
         yield
     except ConfigError as exc:
+        _close_progress_bars()
         raise SystemExit(f"error: {exc}") from None
     except OSError as exc:
+        _close_progress_bars()
         where = f" ({exc.filename})" if exc.filename else ""
         raise SystemExit(
             f"error: {exc.strerror or exc}{where}; check the path and its permissions or free space"
         ) from None
     except KeyboardInterrupt:
+        _close_progress_bars()
         print(
             "error: stopped by Ctrl-C; resume with --resume_from_checkpoint latest if a checkpoint was saved",
             file=sys.stderr,
@@ -36,3 +39,12 @@ def one_line_errors():
         raise SystemExit(130) from None
     finally:
         release_output_locks()
+
+
+def _close_progress_bars() -> None:
+    """End any open tqdm bar with its newline: a bar redraws with a carriage return and no newline, so
+    an error printed after it would share its line (and `splitlines` would not find it at a line start)."""
+    from tqdm.auto import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
