@@ -72,6 +72,18 @@ class TrainingArguments:
     gradient_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute activations in backward: less memory, ~30%% slower."}
     )
+    model_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Dtype of the trained weights and so of their gradients and AdamW state. float32 (default) keeps "
+            "fp32 master weights even for a bf16 checkpoint; bfloat16 halves that memory but loses every update "
+            "smaller than 1/256 of a weight. A LoRA base is frozen in the mixed-precision dtype either way."
+        },
+    )
+    torch_compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each repeated block (regional compilation): faster steps, a slow first one."},
+    )
     accumulation_schedule: Optional[str] = field(
         default=None,
         metadata={
@@ -142,6 +154,8 @@ class TrainingArguments:
         if self.learning_rate <= 0:
             raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
         require_at_least(self, 0, "weight_decay", "max_grad_norm")
+        if self.model_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"--model_dtype must be float32 or bfloat16, got {self.model_dtype!r}")
         if self.optim not in ("adamw_torch", "sgd"):
             raise ConfigError(f"--optim must be adamw_torch or sgd, got {self.optim!r}")
         schedulers = [s.value for s in SchedulerType]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from ft_accum.errors import ConfigError
 
 
@@ -31,6 +33,51 @@ def load_pretrained(auto_class, name: str, trust_remote_code: bool = False, **kw
             else "pass a local folder, or go online for hub names"
         )
         raise ConfigError(f"could not load model {name!r}: {str(exc).strip().splitlines()[0]} ({hint})") from exc
+
+
+def cast_and_compile(model, args, mixed_precision: str = "no", frozen_base: bool = False):
+    """Cast the weights to the dtype they train in, and --torch_compile the repeated blocks; return the model.
+
+    transformers 5 loads a checkpoint in the dtype it was saved in, and most hub LLMs are saved in
+    bf16: a full fine-tune would then train pure bf16, with bf16 AdamW states, and lose every
+    update smaller than bf16's resolution (2^-8 relative) without a word (issue 16). So weights
+    that train are `args.model_dtype` (fp32 by default; bf16 → fp32 is exact). A base that LoRA
+    will freeze only runs forward, so it takes the mixed-precision dtype (bf16 or fp16), as peft's
+    and the Trainer's LoRA recipes do; peft then creates the adapters in fp32.
+
+    --torch_compile compiles each repeated block (the model's `_no_split_modules`) in place:
+    PyTorch's regional compilation, which compiles one block and reuses it for the others, keeps
+    the parameter names (checkpoints unchanged) and leaves the output layer to `OutputLoss`'s hook.
+    A model that names no blocks is compiled whole.
+    """
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.model_dtype]
+    if frozen_base and mixed_precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+    model = model.to(dtype)
+    if args.torch_compile:
+        block_names = set(getattr(model, "_no_split_modules", None) or [])
+        blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+        for block in blocks or [model]:  # a model that names no blocks is compiled whole
+            block.compile()
+    return model
+
+
+def describe_dtypes(model, optimizer, mixed_precision: str) -> str:
+    """The banner's dtype line: trained weights, frozen weights, compute, optimizer state."""
+
+    def names(tensors) -> str:
+        return "/".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors})) or "none"
+
+    params = list(model.parameters())
+    trained, frozen = [p for p in params if p.requires_grad], [p for p in params if not p.requires_grad]
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    compute = {"bf16": "bfloat16 (autocast)", "fp16": "float16 (autocast)"}.get(mixed_precision, names(trained))
+    # AdamW allocates its state at the first step, in the dtype of the weights it updates.
+    line = f"weights {names(trained)}{f', frozen {names(frozen)}' if frozen else ''}; compute {compute}; "
+    line += f"optimizer state {names(state) if state else names(trained)}"
+    if any(p.dtype == torch.bfloat16 for p in trained):
+        line += " (pure bf16: updates below 1/256 of a weight are lost)"
+    return line
 
 
 def check_context_length(config, length: int, flag: str) -> None:

@@ -15,8 +15,9 @@ micro-batch; never extrapolated, since the moment of the peak can move outside t
 Limits, not modelled:
 - the CUDA context and cuBLAS/cuDNN workspaces (CUDA_OVERHEAD_GIB) and the caching allocator's
   fragmentation (FRAGMENTATION): both are a documented margin in `fits`;
-- kernels that differ between CPU and CUDA (the trace runs CPU kernels on fake tensors; SDPA
-  attention is memory-efficient on both; mixed precision uses CPU autocast);
+- kernels that differ between CPU and CUDA beyond attention (the trace runs CPU kernels on fake
+  tensors; attention runs a stand-in with CUDA's fused-SDPA memory profile, `fused_attention`;
+  mixed precision uses CPU autocast);
 - 8-bit AdamW is modelled by its state size (2 bytes per parameter plus block scales), since
   bitsandbytes does not run on fake tensors.
 
@@ -183,8 +184,8 @@ def example_batch(config, task: str, micro_batch_size: int, seq_len: int) -> dic
     """A random micro-batch of `micro_batch_size` × `seq_len` tokens with the labels `task` trains on."""
     ids = torch.randint(0, config.vocab_size, (micro_batch_size, seq_len))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if task == "causal_lm":
-        batch["labels"] = ids
+    if task == "causal_lm":  # packed blocks, as the recipe passes them with --packing: no mask, so SDPA is causal
+        batch = {"input_ids": ids, "labels": ids}
     elif task == "text_classification":
         batch["labels"] = torch.zeros(micro_batch_size, dtype=torch.long)
     elif task == "token_classification":
@@ -195,12 +196,59 @@ def example_batch(config, task: str, micro_batch_size: int, seq_len: int) -> dic
 
 
 def build_optimizer(name: str, parameters: list[torch.nn.Parameter]):
-    """The optimizer whose state the planner counts: "adamw" (two fp32 moments) or "sgd" (momentum)."""
+    """The optimizer the recipes build (run_setup.build_optimizer): fused AdamW, or SGD with momentum.
+
+    Fused matters: foreach AdamW allocates parameter-sized temporaries in its step, fused does not."""
     if name == "adamw":
-        return torch.optim.AdamW(parameters, lr=1e-5, foreach=True)  # foreach: the CUDA default
+        return torch.optim.AdamW(parameters, lr=1e-5, fused=True)
     if name == "sgd":
-        return torch.optim.SGD(parameters, lr=1e-3, momentum=0.9, foreach=True)
+        return torch.optim.SGD(parameters, lr=1e-3, momentum=0.9)
     return torch.optim.SGD(parameters, lr=1e-3)  # adamw_8bit: state added analytically
+
+
+ATTENTION = ("fused", "math")
+
+
+def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Stands in for CUDA's scaled_dot_product_attention in the trace, with its memory profile.
+
+    CUDA's flash and memory-efficient kernels save q, k, v, the output and an O(T) log-sum-exp per
+    head (FlashAttention-2, Dao 2023, §3.1; torch's SDPA docs), never the T × T scores; with
+    dropout they save the RNG state, not a mask. PyTorch's CPU flash kernel saves exactly those
+    tensors, so the trace runs it, without dropout. Grouped-query K and V stay at their own head
+    count (flash reads them in place): the query heads are folded into the length, which keeps
+    every saved tensor's size (this is about bytes, and fake tensors have no values).
+    """
+    batch, heads, length, dim = query.shape
+    if key.shape[1] != heads:
+        query = query.reshape(batch, key.shape[1], heads // key.shape[1] * length, dim)
+    output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return output.reshape(batch, heads, length, dim)
+
+
+LOSS_PATHS = ("chunked", "logits", "model")
+
+
+def training_step(model, batch: dict, task: str, loss: str = "chunked") -> torch.Tensor:
+    """One micro-batch's loss, as the step that is traced computes it.
+
+    "chunked" and "logits" are the language-model recipes' `OutputLoss` (the default, and
+    --no_chunked_loss); "model" is the model's own loss, `model(**batch).loss`, which is what a plain
+    PyTorch loop and the Transformers Trainer backpropagate, and what the classifier recipes use.
+    """
+    if task not in ("causal_lm", "seq2seq") or loss == "model":
+        return model(**batch).loss
+    from ft_accum.output_loss import OutputLoss
+
+    loss_fn = OutputLoss(model, shift=task == "causal_lm", enabled=loss == "chunked")
+    loss_fn.checked = True  # fake tensors have no values to check against the logits
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if task == "seq2seq":
+        inputs["decoder_input_ids"] = batch["labels"]
+    loss_sum, _ = loss_fn(model, batch["labels"], **inputs)
+    return loss_sum / batch["labels"].numel()
 
 
 def trace_step(config, **settings) -> MemoryEstimate:
@@ -224,13 +272,17 @@ def trace_micro_batches(
     lora_r: int | None = None,
     lora_target_modules: str = "all-linear",
     gradient_checkpointing: bool = False,
+    loss_path: str = "chunked",
+    attention: str = "fused",
     real_tensors: bool = False,
     accounting: dict | None = None,
 ) -> dict[int, tuple[MemoryEstimate, MemoryEstimate]]:
     """One model, one steady-state step per micro-batch size: {m: (forward+backward peak, optimizer-step peak)}.
 
     The optimizer state is allocated before tracing (PyTorch allocates it lazily at the first
-    step). `real_tensors=True` runs the same step on real CPU tensors (small models only), to
+    step). The step is the recipes' own (`training_step`; `loss_path` picks its loss). `attention="fused"` traces CUDA's fused
+    SDPA kernels (`fused_attention`); "math" keeps the T × T scores, as SDPA's math path and eager
+    attention do. `real_tensors=True` runs the same step on real CPU tensors (small models only), to
     validate the fake trace. `accounting`, if given, receives the live bytes right after backward
     and the parameter, gradient and optimizer-state bytes, for the accounting test.
     """
@@ -239,6 +291,10 @@ def trace_micro_batches(
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if loss_path not in LOSS_PATHS:
+        raise ConfigError(f"--loss_path must be one of {', '.join(LOSS_PATHS)}, got {loss_path!r}")
+    if attention not in ATTENTION:
+        raise ConfigError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     torch.manual_seed(0)
     with contextlib.nullcontext() if real_tensors else FakeTensorMode():
         model = build_model(config, task, torch.bfloat16 if precision == "bf16" else torch.float32)
@@ -288,9 +344,14 @@ def trace_micro_batches(
                 if isinstance(value, torch.Tensor):
                     tracker.add(value, static=True)
             state_bytes = tracker.static - parameter_bytes
-            with tracker:
+            kernels = (
+                mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", fused_attention)
+                if attention == "fused"
+                else contextlib.nullcontext()
+            )
+            with tracker, kernels:  # backward too: checkpointing recomputes attention there
                 with autocast:
-                    loss = model(**batch).loss
+                    loss = training_step(model, batch, task, loss_path)
                 loss.float().backward()
                 del loss
                 if accounting is not None:

@@ -11,6 +11,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin
 
 from ft_accum.banner import format_banner
+from ft_accum.loading import describe_dtypes
 from ft_accum.lr_scaling import describe_lr_scaling
 from ft_accum.run_outputs import check_accelerator, prepare_output_dir, resolve_report_to
 
@@ -70,9 +71,14 @@ def run_banner(
     mean_tokens_per_sample: float | None = None,
     extra: dict[str, str] | None = None,
     unit: str = "samples",
+    *,
+    model,
+    optimizer,
 ) -> str:
-    """The banner of `format_banner` for a recipe's settings: batch arithmetic, LR, updates, features on."""
+    """The banner of `format_banner` for a recipe's settings: batch arithmetic, LR, updates, dtypes, features on."""
     features = {
+        "dtypes": describe_dtypes(model, optimizer, accelerator.mixed_precision),
+        "torch.compile": "on: each repeated block (the first updates compile)" if args.torch_compile else None,
         "trust_remote_code": "ON: the model's own Python code ran" if args.trust_remote_code else None,
         "auto micro-batch": "on: out of memory halves the micro-batch, doubles the accumulation"
         if args.auto_micro_batch

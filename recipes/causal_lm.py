@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Optional
 
-import torch
 from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, default_data_collator
 
@@ -42,9 +41,10 @@ from ft_accum.arguments import run_main
 from ft_accum.batch_arithmetic import apply_batch_plan
 from ft_accum.errors import ConfigError
 from ft_accum.graceful_stop import GracefulStop
-from ft_accum.loss_normalization import AccumulationWindow, causal_lm_loss_sum
+from ft_accum.loss_normalization import AccumulationWindow
 from ft_accum.memory import OutOfMemoryRetry
 from ft_accum.noise_scale import NoiseScaleMeter
+from ft_accum.output_loss import OutputLoss
 from ft_accum.run_setup import build_accelerator, build_optimizer, run_banner
 
 
@@ -80,6 +80,9 @@ class TaskArguments:
     merge_lora: bool = field(
         default=False, metadata={"help": "Also save the base model with the adapter merged into final_merged/."}
     )
+    chunked_loss: bool = field(
+        default=True, metadata={"help": "Loss from the hidden states in chunks, never the full logits (exact)."}
+    )
     generate_prompt: Optional[str] = field(
         default=None, metadata={"help": "Generate a short continuation of this prompt at the end."}
     )
@@ -98,11 +101,12 @@ class TaskArguments:
 NO_DECAY = ("bias", "norm.weight", "ln_f.weight", "ln_1.weight", "ln_2.weight")
 
 
-def build_model(task, args):
+def build_model(task, args, mixed_precision):
     name = task.model_name_or_path or str(offline_assets.bundled_smollm2_dir())
     peft = lora.import_peft() if task.use_lora else None
     tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
     model = loading.load_pretrained(AutoModelForCausalLM, name, args.trust_remote_code)
+    model = loading.cast_and_compile(model, args, mixed_precision, frozen_base=task.use_lora)
     loading.check_context_length(model.config, task.block_size, "--block_size")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
@@ -145,11 +149,8 @@ def build_dataloaders(task, args, accelerator, raw, tokenizer):
         ids = list(chain.from_iterable(rows["input_ids"]))
         usable = len(ids) // task.block_size * task.block_size
         blocks = [ids[i : i + task.block_size] for i in range(0, usable, task.block_size)]
-        return {
-            "input_ids": blocks,
-            "attention_mask": [[1] * task.block_size for _ in blocks],
-            "labels": [list(b) for b in blocks],
-        }
+        # No attention_mask: an all-ones mask can keep SDPA off its fused causal kernels.
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
     with accelerator.main_process_first():
         tokenized = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, desc="Tokenizing")
@@ -181,29 +182,28 @@ def build_dataloaders(task, args, accelerator, raw, tokenizer):
     return train_dataloader, eval_dataloader, mean_tokens
 
 
-def evaluate_perplexity(model, eval_dataloader, accelerator):
+def model_inputs(batch):
+    return {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}  # packed blocks have no mask
+
+
+def evaluate_perplexity(model, eval_dataloader, accelerator, output_loss):
     """exp(total loss / total target tokens) over the validation set, on all processes together."""
     model.eval()
     loss_sum, tokens = 0.0, 0
     for batch in eval_dataloader:
-        with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        per_row = [causal_lm_loss_sum(logits[i : i + 1], batch["labels"][i : i + 1]) for i in range(len(logits))]
+        per_row = output_loss.per_row(model, batch["labels"], **model_inputs(batch))
         # gather_for_metrics drops the rows Accelerate repeated to even out the last batch.
-        row_losses, row_tokens = accelerator.gather_for_metrics(
-            (torch.stack([loss for loss, _ in per_row]), torch.stack([n for _, n in per_row]))
-        )
+        row_losses, row_tokens = accelerator.gather_for_metrics(per_row)
         loss_sum += row_losses.sum().item()
         tokens += int(row_tokens.sum())
     model.train()
     return {"eval_loss": loss_sum / tokens, "eval_perplexity": math.exp(min(loss_sum / tokens, 50))}
 
 
-def training_step(model, batch):
+def training_step(model, batch, output_loss):
     """The micro-batch's loss summed over its target tokens, counted after the causal shift (the sync
-    step divides by the window's count), that count, and its sequences."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    loss_sum, num_tokens = causal_lm_loss_sum(logits, batch["labels"])
+    step divides by the window's count), that count, and its sequences. No logits outlive it."""
+    loss_sum, num_tokens = output_loss(model, batch["labels"], **model_inputs(batch))
     return loss_sum, num_tokens, len(batch["input_ids"])
 
 
@@ -237,7 +237,7 @@ def train(task, args):
 
     raw = load_raw_data(task, args)
     with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
-        model, tokenizer = build_model(task, args)
+        model, tokenizer = build_model(task, args, accelerator.mixed_precision)
     loading.check_tokenizer(
         tokenizer, model, task.model_name_or_path or "the bundled model", raw["train"][:64][task.text_column]
     )
@@ -248,18 +248,26 @@ def train(task, args):
     )
     schedule = AccumulationScheduler(args, plan, len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
+    output_loss = OutputLoss(
+        accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
+    )
     layout = f"{'packed' if task.packing else 'padded'} to {task.block_size} tokens"
     rows = {
         "trainable": describe_trainable(model, task),
         "sequences": f"{len(train_dataloader.dataset)} train / {len(eval_dataloader.dataset)} eval, {layout}",
+        "loss": output_loss.path,
     }
-    accelerator.print(run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, unit="sequences"))
+    accelerator.print(
+        run_banner(
+            accelerator, args, plan, schedule.windows, mean_tokens, rows, "sequences", model=model, optimizer=optimizer
+        )
+    )
 
     state, signature = training_state.start_or_resume(accelerator, model, args, plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="target tokens")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
     tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
-    initial_eval = evaluate_perplexity(model, eval_dataloader, accelerator)
+    initial_eval = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
     accelerator.print(f"before training: eval_perplexity {initial_eval['eval_perplexity']:.2f}")
     nominal_tokens = plan.micro * task.block_size  # any constant works; this one keeps losses O(1)
     eval_metrics = initial_eval
@@ -273,7 +281,7 @@ def train(task, args):
                 )
             try:
                 with accelerator.accumulate(model):
-                    loss_sum, num_tokens, sequences = training_step(model, batch)
+                    loss_sum, num_tokens, sequences = training_step(model, batch, output_loss)
                     window.add(loss_sum, num_tokens, sequences, num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)
                     noise.after_backward(accelerator, num_tokens, nominal_tokens, plan)
@@ -295,7 +303,7 @@ def train(task, args):
             continue
 
         with tracker.paused():
-            eval_metrics = evaluate_perplexity(model, eval_dataloader, accelerator)
+            eval_metrics = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
         run_outputs.log_evaluation(accelerator, state.epoch, state.step, eval_metrics)
         state.next_epoch()
     if advice := noise.advice(state):

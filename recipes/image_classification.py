@@ -128,6 +128,7 @@ def build_model(task, args, label_names):
         processor = ImageProcessor(
             size={"height": task.image_size, "width": task.image_size}, image_mean=[0.5] * 3, image_std=[0.5] * 3
         )
+    model = loading.cast_and_compile(model, args)
     if args.gradient_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise ConfigError(f"{type(model).__name__} does not support --gradient_checkpointing; drop the flag")
@@ -231,7 +232,9 @@ def train(task, args):
     schedule = AccumulationScheduler(args, plan, len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     rows = {"train / eval images": f"{len(raw['train'])} / {len(raw['validation'])}", "BatchNorm": task.batchnorm}
-    accelerator.print(run_banner(accelerator, args, plan, schedule.windows, extra=rows))
+    accelerator.print(
+        run_banner(accelerator, args, plan, schedule.windows, extra=rows, model=model, optimizer=optimizer)
+    )
 
     state, signature = training_state.start_or_resume(accelerator, model, args, plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="samples")

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
@@ -41,6 +40,7 @@ from ft_accum.loss_normalization import AccumulationWindow
 from ft_accum.memory import OutOfMemoryRetry
 from ft_accum.metrics import load_metric
 from ft_accum.noise_scale import NoiseScaleMeter
+from ft_accum.output_loss import OutputLoss
 from ft_accum.run_setup import build_accelerator, build_optimizer, run_banner
 
 
@@ -74,6 +74,9 @@ class TaskArguments:
         default=32, metadata={"help": "Truncate targets to this many tokens; also the generation limit."}
     )
     num_beams: int = field(default=1, metadata={"help": "Beam width of the evaluation's generation (1 = greedy)."})
+    chunked_loss: bool = field(
+        default=True, metadata={"help": "Loss from the hidden states in chunks, never the full logits (exact)."}
+    )
 
     def __post_init__(self):
         for name, minimum in (("max_source_length", 2), ("max_target_length", 2), ("num_beams", 1)):
@@ -94,6 +97,7 @@ def build_model(task, args):
         )  # e.g. a saved bert2bert
     else:  # an encoder-only checkpoint: warm-start both halves from it (Rothe et al. 2020)
         model = loading.warm_start_encoder_decoder(name, tokenizer)
+    model = loading.cast_and_compile(model, args)
     loading.check_context_length(
         getattr(model.config, "encoder", model.config), task.max_source_length, "--max_source_length"
     )
@@ -138,27 +142,20 @@ def build_dataloaders(task, args, accelerator, raw, tokenizer, model):
     return train_dataloader, eval_dataloader, mean_tokens
 
 
-def target_loss_sum(logits, labels):
-    """(Σ cross-entropy over target tokens, their count): logits[t] predicts labels[t]; -100 marks padding."""
-    loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-    return loss_sum, (labels != -100).sum()
-
-
-def evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge):
+def evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss):
     """Teacher-forced loss over target tokens, then ROUGE of generated outputs against the references."""
     model.eval()
     loss_sum, count, predictions, references = 0.0, 0, [], []
     for batch in tqdm(eval_dataloader, desc="evaluating", leave=False, disable=not accelerator.is_local_main_process):
         labels = batch.pop("labels")
+        row_losses, _ = output_loss.per_row(model, labels, **batch)
         with torch.no_grad():
-            logits = model(**batch).logits.float()
             generated = accelerator.unwrap_model(model).generate(
                 input_ids=batch["input_ids"],
                 attention_mask=batch["attention_mask"],
                 num_beams=task.num_beams,
                 max_new_tokens=task.max_target_length,
             )
-        row_losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none").sum(1)
         # Pad to one length before gathering: processes generate and pad to different lengths. gather_for_metrics
         # drops the rows Accelerate repeated to even out the last batch.
         generated = accelerator.pad_across_processes(generated, dim=1, pad_index=tokenizer.pad_token_id)
@@ -178,11 +175,11 @@ def evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge):
     }
 
 
-def training_step(model, batch):
+def training_step(model, batch, output_loss):
     """The micro-batch's loss summed over its target tokens (the sync step divides by the window's
-    count), that count, and its examples."""
+    count), that count, and its examples. No logits outlive it."""
     labels = batch.pop("labels")
-    loss_sum, num_tokens = target_loss_sum(model(**batch).logits, labels)
+    loss_sum, num_tokens = output_loss(model, labels, **batch)
     return loss_sum, num_tokens, len(labels)
 
 
@@ -203,15 +200,24 @@ def train(task, args):
     )
     schedule = AccumulationScheduler(args, plan, len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
-    rows = {"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}", "model": type(model).__name__}
-    accelerator.print(run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows))
+    output_loss = OutputLoss(
+        accelerator.unwrap_model(model), shift=False, accelerator=accelerator, enabled=task.chunked_loss
+    )
+    rows = {
+        "train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}",
+        "model": type(model).__name__,
+        "loss": output_loss.path,
+    }
+    accelerator.print(
+        run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, model=model, optimizer=optimizer)
+    )
 
     state, signature = training_state.start_or_resume(accelerator, model, args, plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="target tokens")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
     tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
     rouge = load_metric("rouge")
-    initial_eval = evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge)
+    initial_eval = evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss)
     accelerator.print(
         f"before training: eval_rougeL {initial_eval['eval_rougeL']:.4f}, eval_loss {initial_eval['eval_loss']:.4f}"
     )
@@ -227,7 +233,7 @@ def train(task, args):
                 )
             try:
                 with accelerator.accumulate(model):
-                    loss_sum, num_tokens, examples = training_step(model, batch)
+                    loss_sum, num_tokens, examples = training_step(model, batch, output_loss)
                     window.add(loss_sum, num_tokens, examples, num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)
                     noise.after_backward(accelerator, num_tokens, nominal_tokens, plan)
@@ -249,7 +255,7 @@ def train(task, args):
             continue
 
         with tracker.paused():
-            eval_metrics = evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge)
+            eval_metrics = evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss)
         run_outputs.log_evaluation(accelerator, state.epoch, state.step, eval_metrics)
         state.next_epoch()
     if advice := noise.advice(state):

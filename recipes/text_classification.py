@@ -85,6 +85,7 @@ def build_model(task, args, label_names):
         id2label=dict(enumerate(label_names)), label2id={n: i for i, n in enumerate(label_names)},
         ignore_mismatched_sizes=True,  # a head trained for another label set is replaced (transformers says which)
     )  # fmt: skip
+    model = loading.cast_and_compile(model, args)
     loading.check_context_length(model.config, task.max_seq_length, "--max_seq_length")
     if args.gradient_checkpointing:
         # Non-reentrant checkpointing is the variant that works under DDP with unused parameters.
@@ -165,7 +166,9 @@ def train(task, args):
     schedule = AccumulationScheduler(args, plan, len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     rows = {"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}"}
-    accelerator.print(run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows))
+    accelerator.print(
+        run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, model=model, optimizer=optimizer)
+    )
 
     state, signature = training_state.start_or_resume(accelerator, model, args, plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="samples")

@@ -103,6 +103,7 @@ def build_model(task, args, label_names):
         ignore_mismatched_sizes=True,
     )
     loading.check_context_length(model.config, task.max_seq_length, "--max_seq_length")
+    model = loading.cast_and_compile(model, args)
     if args.gradient_checkpointing:
         # Non-reentrant checkpointing is the variant that works under DDP with unused parameters.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -216,7 +217,9 @@ def train(task, args):
     schedule = AccumulationScheduler(args, plan, len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     rows = {"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}", "tags": ", ".join(label_names)}
-    accelerator.print(run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows))
+    accelerator.print(
+        run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, model=model, optimizer=optimizer)
+    )
 
     state, signature = training_state.start_or_resume(accelerator, model, args, plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="labelled tokens")

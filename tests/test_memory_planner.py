@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -78,7 +79,8 @@ def test_activation_memory_grows_linearly_in_the_micro_batch():
         (activations[8] - activations[4]) / 2,
         (activations[16] - activations[8]) / 4,
     ]
-    assert max(steps) / min(steps) < 1.02, steps
+    # 3%: the chunked loss's last chunk is partly full, so its temporaries step rather than grow smoothly.
+    assert max(steps) / min(steps) < 1.03, steps
 
 
 def test_checkpointing_keeps_one_hidden_state_per_layer():
@@ -106,18 +108,19 @@ def test_fake_trace_matches_memtracker_on_real_cpu_tensors():
     fake = mp.trace_step(config, task="causal_lm", micro_batch_size=m, seq_len=seq_len).peak
     real = mp.trace_step(config, task="causal_lm", micro_batch_size=m, seq_len=seq_len, real_tensors=True).peak
 
+    # The same step, tracked by torch's own MemTracker: the recipe's loss, fused AdamW, fused attention.
     torch.manual_seed(0)
     model = mp.build_model(config, "causal_lm")
-    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    opt = mp.build_optimizer("adamw", list(model.parameters()))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    ids = torch.randint(0, config.vocab_size, (m, seq_len))
+    batch = mp.example_batch(config, "causal_lm", m, seq_len)
     tracker = MemTracker()
     tracker.track_external(model, opt)
-    with tracker:
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
+    with tracker, mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", mp.fused_attention):
+        mp.training_step(model, batch, "causal_lm").backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     memtracker = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]

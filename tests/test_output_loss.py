@@ -1,0 +1,151 @@
+"""The chunked output-layer loss against the unchunked one (issue 16): same loss, same gradients,
+no (batch × length × vocabulary) logits. fp32, so the only difference is summation order."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from conftest import make_tiny_lm
+from transformers import AutoModelForCausalLM, T5Config, T5ForConditionalGeneration
+
+from ft_accum import memory_planner
+from ft_accum.loss_normalization import causal_lm_loss_sum
+from ft_accum.output_loss import OutputLoss, linear_cross_entropy_sum, shift_labels
+from ft_accum.testing import reset_accelerate_state
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture()
+def accelerator():
+    yield Accelerator(cpu=True)
+    reset_accelerate_state()
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_cross_entropy_matches_the_unchunked_loss_and_gradients(with_bias):
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 17, 24, dtype=torch.float64).float().requires_grad_()
+    weight = (torch.randn(101, 24) * 0.3).requires_grad_()
+    bias = torch.randn(101).requires_grad_() if with_bias else None
+    labels = torch.randint(0, 101, (3, 17))
+    labels[0, 10:] = -100  # padding
+    labels[2, :3] = -100  # a masked prompt
+    inputs = [hidden, weight] + ([bias] if with_bias else [])
+
+    reference = F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, 1), labels.flatten(), reduction="sum")
+    expected = torch.autograd.grad(reference, inputs)
+    # 101 logits per chunk: one row per chunk, 51 chunks.
+    loss, count = linear_cross_entropy_sum(hidden, weight, bias, labels, logits_per_chunk=101)
+    got = torch.autograd.grad(loss * 0.37, inputs)  # a scale, as the recipe's /nominal_tokens, must carry through
+
+    assert count == (labels != -100).sum()
+    assert abs(loss.item() - reference.item()) / reference.item() <= 1e-6
+    for g, e in zip(got, expected):
+        assert rel(g, 0.37 * e) <= 1e-5
+    assert rel(expected[0][0, 10:], torch.zeros(7, 24)) == 0 or expected[0][0, 10:].abs().max() == 0
+    assert got[0][0, 10:].abs().max() == 0  # padding gets no gradient
+
+
+def test_causal_lm_output_loss_equals_the_logits_loss_with_padding(tmp_path, accelerator):
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_lm("llama", tmp_path))
+    model.config.tie_word_embeddings = True  # a tied output layer: two gradient paths into one weight
+    torch.manual_seed(1)
+    ids = torch.randint(3, model.config.vocab_size, (4, 20))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    mask[3, 5:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    reference, ref_count = causal_lm_loss_sum(model(input_ids=ids, attention_mask=mask).logits, labels)
+    expected = torch.autograd.grad(reference, params)
+    loss_fn = OutputLoss(model, shift=True, accelerator=accelerator)
+    loss, count = loss_fn(model, labels, input_ids=ids, attention_mask=mask)
+    got = torch.autograd.grad(loss, params)
+
+    assert loss_fn.chunked and loss_fn.path.startswith("chunked"), loss_fn.path
+    assert count == ref_count == (shift_labels(labels) != -100).sum()
+    assert abs(loss.item() - reference.item()) / reference.item() <= 1e-6
+    assert max(rel(g, e) for g, e in zip(got, expected)) <= 1e-5
+
+    rows, row_counts = loss_fn.per_row(model, labels, input_ids=ids, attention_mask=mask)
+    assert row_counts.sum() == count and abs(rows.sum().item() - reference.item()) / reference.item() <= 1e-6
+
+
+def test_seq2seq_output_loss_equals_the_logits_loss(accelerator):
+    config = T5Config(
+        vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config)  # tied: its decoder output is scaled by d_model^-0.5 before the head
+    ids, labels = torch.randint(1, 50, (3, 9)), torch.randint(1, 50, (3, 7))
+    labels[0, 4:] = -100
+    inputs = {"input_ids": ids, "decoder_input_ids": model.prepare_decoder_input_ids_from_labels(labels=labels)}
+    params = list(model.parameters())
+
+    logits = model(**inputs).logits
+    reference = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    expected = torch.autograd.grad(reference, params, allow_unused=True)
+    loss_fn = OutputLoss(model, shift=False, accelerator=accelerator)
+    loss, count = loss_fn(model, labels, **inputs)
+    got = torch.autograd.grad(loss, params, allow_unused=True)
+
+    assert loss_fn.chunked and count == (labels != -100).sum()
+    assert abs(loss.item() - reference.item()) / reference.item() <= 1e-6
+    assert max(rel(g, e) for g, e in zip(got, expected) if e is not None) <= 1e-5
+
+
+def test_a_model_that_changes_its_logits_after_the_output_layer_falls_back(tmp_path, accelerator):
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_lm("gpt2", tmp_path))
+
+    def scale_logits(module, args, output):  # as Cohere's logit_scale does
+        output.logits = output.logits * 4.0
+        return output
+
+    model.register_forward_hook(scale_logits)
+    ids = torch.randint(3, model.config.vocab_size, (2, 10))
+    loss_fn = OutputLoss(model, shift=True, accelerator=accelerator)
+    loss, _ = loss_fn(model, ids, input_ids=ids)
+    reference, _ = causal_lm_loss_sum(model(input_ids=ids).logits, ids)
+
+    assert not loss_fn.chunked and "after the output layer" in loss_fn.path
+    assert torch.equal(loss, reference)
+
+
+def test_disabled_or_wrapped_output_layers_take_the_logits_path(tmp_path, accelerator):
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_lm("gpt2", tmp_path))
+    assert (
+        OutputLoss(model, shift=True, accelerator=accelerator, enabled=False).path == "full logits (--no_chunked_loss)"
+    )
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    assert "not a plain Linear" in OutputLoss(model, shift=True, accelerator=accelerator).path
+
+
+def test_under_bf16_autocast_the_chunked_loss_runs_the_head_in_bf16_like_the_model(tmp_path, accelerator):
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_lm("gpt2", tmp_path))
+    ids = torch.randint(3, model.config.vocab_size, (2, 30))
+    loss_fn = OutputLoss(model, shift=True, accelerator=accelerator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference, _ = causal_lm_loss_sum(model(input_ids=ids).logits, ids)
+        loss, _ = loss_fn(model, ids, input_ids=ids)
+    assert loss.dtype == torch.float32 and loss_fn.chunked
+    assert abs(loss.item() - reference.item()) / reference.item() <= 1e-3
+
+
+def test_the_chunked_step_keeps_far_fewer_bytes_alive_than_the_logits_path():
+    """The planner's tracker on the real tensors of one step: a 49k-entry vocabulary, 4 × 512 tokens."""
+    config = memory_planner.load_model_config("gpt2-124m")
+    config.n_layer, config.vocab_size = 1, 49152
+    peaks = {}
+    for loss_path in ("chunked", "logits", "model"):
+        forward_backward, _ = memory_planner.trace_phases(
+            config, task="causal_lm", micro_batch_size=4, seq_len=512, loss_path=loss_path, real_tensors=True
+        )
+        peaks[loss_path] = forward_backward.activations_gradients_temporaries
+    logits_bytes = 4 * 512 * 49152 * 4
+    assert peaks["logits"] - peaks["chunked"] >= 1.5 * logits_bytes, peaks
+    assert peaks["model"] - peaks["chunked"] >= 1.5 * logits_bytes, peaks  # the plain loop's and Trainer's loss
