@@ -1,44 +1,58 @@
-"""python benchmarks/gpu_check.py [--dry_run]
+"""python benchmarks/gpu_check.py [--dry_run] [--output PATH]
 
-Everything only a GPU can check, in one run of a few minutes on one GPU, printed as one table
-(and saved to benchmarks/results/gpu_check.json):
+Everything only a GPU can check, in one run of at most 8 minutes on one GPU. It writes one results
+file ($OUT/gpu_check.json when $OUT is set, else benchmarks/results/gpu_check.json) and prints a
+table. Models are built from the shipped configs (ft_accum/model_configs) with random weights and
+the bundled MiniLM tokenizer; the data is the bundled BBC News; nothing is downloaded. It needs
+torch, transformers, accelerate, peft, and this project's [demo] data packages, datasets and evaluate.
 
 1. mixed precision: recipes/text_classification.py at (8 × 1) against (2 × 4), 6 updates, through
    `accelerate launch` with accelerate_configs/single_gpu_bf16.yaml and single_gpu_fp16.yaml (and
-   fp32 as the floor). The model is all-MiniLM-L6-v2's architecture and weights with dropout off,
-   so the only difference is the split. Relative weight error against the chosen tolerances:
-   fp32 1e-5 (the tests' bound), bf16 5e-2 and fp16 1e-2 (8 and 11 mantissa bits: a summation
-   order changes the result at about 2^-8 and 2^-11 per operation, compounded over 6 updates).
-2. memory planner: `ft_accum.memory_planner.trace_step` (fake tensors) against
-   `torch.cuda.max_memory_allocated` of the same step (GPT-2-shaped, micro 4 × 256 tokens, AdamW),
-   fp32 and bf16-mixed. Pass: within ±10%.
-3. real OOM replan: the recipe at micro-batch 256 × 1 with --auto_micro_batch, under
-   `torch.cuda.set_per_process_memory_fraction` set to 3× the peak of a micro-batch-8 run: it must
-   hit a real CUDA OOM, halve until it fits, finish, and match a run started at the micro-batch it
-   ended on (same effective batch 256) within the fp32 bound.
-4. throughput against the Trainer: the recipe (bf16, `accelerate launch`) against
-   `Trainer(bf16=True)`, MiniLM on BBC at 128 tokens, micro 32 × 4, 8 updates, 3 interleaved
-   repeats, median per-update samples/s.
+   fp32 as the floor). The model is all-MiniLM-L6-v2 with dropout off, so the only difference is
+   the split. Bounds: fp32 1e-5 (the tests' bound), bf16 5e-2 and fp16 1e-2 (8 and 11 mantissa
+   bits: a summation order changes the result at about 2^-8 and 2^-11 per operation, over 6 updates).
+2. planner against the recipe: recipes/causal_lm.py --packing --block_size 1024 on GPT-2 124M, bf16
+   mixed precision, micro-batch 1, 4 and 8, checkpointing off and on, 3 updates each:
+   `torch.cuda.max_memory_allocated` of the run against `ft_accum.memory_planner` for the same
+   settings (the planner traces the recipe's own step). Pass: predicted / measured in 0.90–1.10.
+3. the README's 12 GB table: every cell the planner says fits (benchmarks/results/plan_12gb.json)
+   runs 2 updates of its recommended split under `torch.cuda.set_per_process_memory_fraction` at
+   11.4 GiB (a 12 GB card less its CUDA context). Pass: no out-of-memory error.
+4. throughput: a plain PyTorch loop (`loss / 4` under bf16 autocast), the Transformers Trainer
+   (`bf16=True`) and recipes/causal_lm.py, on GPT-2 124M, 8 × 4 × 1024 tokens per update, fused
+   AdamW, LR 1e-4 with linear decay, clipping at 1.0, 12 updates of which the first 2 are warm-up;
+   two rounds in opposite orders. Pass: recipe ≥ 0.98× the plain loop and ≥ 1.0× the Trainer; the
+   peaks are reported (goal: the recipe's no more than either).
+5. real OOM replan: the recipe at micro-batch 256 × 1 with --auto_micro_batch, under
+   `set_per_process_memory_fraction` at 3× the peak of a micro-batch-8 run: it must hit a real CUDA
+   OOM, halve until it fits, finish, and match a run started at the micro-batch it ended on.
 
---dry_run runs checks 1 (fp32 only) and 4 on this machine's CPU with tiny settings, to test this
-script without a GPU; it says nothing about GPUs.
+Managed (paged) memory is never used. --dry_run runs checks 1 (fp32), 2, 3 (on tiny stand-in cells) and
+4 on this machine's CPU with tiny settings, to test the script without a GPU; its figures say nothing about GPUs.
 """
 
 import argparse
+import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
-
-from ft_accum.benchmarking import UpdateClock, launch_recipe, steady_rate, trainer_callback
 
 ROOT = Path(__file__).resolve().parents[1]
 
 TOLERANCE = {"no": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 CONFIGS = {"no": "cpu.yaml", "bf16": "single_gpu_bf16.yaml", "fp16": "single_gpu_fp16.yaml"}
+CAP_GIB = 11.4
+AUTO_CLASS = {
+    "causal_lm": "AutoModelForCausalLM",
+    "text_classification": "AutoModelForSequenceClassification",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+}
 
 
 def dropout_free_minilm(path: Path) -> Path:
@@ -110,43 +124,165 @@ def check_mixed_precision(model_dir: Path, precisions, updates: int, seq_len: in
     return rows
 
 
-def cuda_step(model, optimizer, batch, precision: str) -> None:
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-        loss = model(**batch).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+def random_model_dir(config, task: str, path: Path) -> Path:
+    """A model of `task` built from `config` with random weights (on the GPU when there is one, in
+    bf16 for the larger ones), saved with the bundled MiniLM tokenizer ([SEP] as end of text)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from ft_accum.offline_assets import bundled_minilm_dir
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, AUTO_CLASS[task]).from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    tokenizer = AutoTokenizer.from_pretrained(bundled_minilm_dir())
+    tokenizer.eos_token = tokenizer.sep_token  # the causal-LM recipe ends each packed document with it
+    tokenizer.save_pretrained(path)
+    return path
 
 
-def check_planner() -> list[dict]:
-    from transformers import GPT2Config
+def recipe_run(recipe: str, args: list[str], mixed_precision: str) -> tuple[dict, float, list[dict]]:
+    """(all_results, peak GiB, metrics records) of one in-process run of the recipe, its peak its own."""
+    from ft_accum.testing import read_metrics, run_in_process
 
-    from ft_accum.memory_planner import GIB, build_model, build_optimizer, example_batch, trace_step
-
-    rows = []
-    config = GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024)
-    for precision in ("fp32", "bf16-mixed"):
-        predicted = trace_step(config, micro_batch_size=4, task="causal_lm", seq_len=256, precision=precision).peak
-        torch.manual_seed(0)
-        model = build_model(config, "causal_lm").cuda()
-        optimizer = build_optimizer("adamw", list(model.parameters()))
-        batch = {k: v.cuda() for k, v in example_batch(config, "causal_lm", 4, 256).items()}
-
-        cuda_step(
-            model, optimizer, batch, precision
-        )  # allocates the optimizer state, as the planner's steady state assumes
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        cuda_step(model, optimizer, batch, precision)
-        measured = torch.cuda.max_memory_allocated()
-        del model, optimizer, batch
+    os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision
+    gc.collect()
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as out:
+        results = run_in_process(recipe, [*args, f"--output_dir={out}", "--report_to=none", "--seed=42"])
+        records = read_metrics(Path(out))
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    return results, peak, records
+
+
+def lm_args(model_dir: Path, block: int, micro: int, accumulation: int, updates: int, checkpointing: bool) -> list:
+    return [
+        f"--model_name_or_path={model_dir}",
+        "--packing",
+        f"--block_size={block}",
+        f"--per_device_train_batch_size={micro}",
+        f"--gradient_accumulation_steps={accumulation}",
+        f"--max_train_steps={updates}",
+        f"--max_train_samples={max(200, 2 * micro * accumulation * updates * block // 400)}",  # BBC: ~400 tokens each
+        "--max_eval_samples=4",
+        "--per_device_eval_batch_size=1",
+        "--learning_rate=1e-4",
+        "--lr_scaling=none",
+        "--weight_decay=0",
+        f"--gradient_checkpointing={checkpointing}",
+    ]
+
+
+def check_planner(models: Path, dry_run: bool) -> list[dict]:
+    from ft_accum.memory_planner import load_model_config, trace_micro_batches
+
+    config = load_model_config("gpt2-124m")
+    block, micros = 1024, [1, 4, 8]
+    if dry_run:
+        config.n_layer, config.n_embd, config.n_head, config.n_positions = 1, 64, 2, 64
+        block, micros = 64, [1, 2]
+    model_dir = random_model_dir(config, "causal_lm", models / "gpt2-planner")
+    rows = []
+    for checkpointing in (False, True):
+        settings = dict(task="causal_lm", seq_len=block, precision="bf16-mixed", gradient_checkpointing=checkpointing)
+        traced = trace_micro_batches(config, micros, **settings)
+        for micro in micros:
+            predicted = max(e.peak for e in traced[micro]) / 2**30
+            _, measured, _ = recipe_run("causal_lm", lm_args(model_dir, block, micro, 1, 3, checkpointing), "bf16")
+            ratio = predicted / measured
+            rows.append(
+                {
+                    "check": f"planner / recipe peak, GPT-2 124M, {micro} × {block}, checkpointing {'on' if checkpointing else 'off'}",
+                    "predicted_gib": predicted,
+                    "measured_gib": measured,
+                    "measured": f"{predicted:.2f} / {measured:.2f} GiB = {ratio:.3f}",
+                    "bound": "0.90–1.10",
+                    "pass": dry_run or 0.9 <= ratio <= 1.1,
+                }
+            )
+    return rows
+
+
+def dry_run_cells(models: Path) -> list[dict]:
+    """Tiny stand-ins for plan_12gb.json's cells, one per recipe and mode, to test check_12gb_table on CPU."""
+    from ft_accum.memory_planner import load_model_config
+
+    cells = []
+    for name, task, seq_len, shrink in (
+        ("gpt2-124m", "causal_lm", 64, {"n_layer": 1, "n_embd": 64, "n_head": 2, "n_positions": 64}),
+        ("bert-base-uncased", "text_classification", 32, {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128}),
+        ("t5-base", "seq2seq", 32, {"num_layers": 1, "num_decoder_layers": 1, "d_model": 64, "d_ff": 128, "num_heads": 2, "d_kv": 32}),
+    ):  # fmt: skip
+        config = load_model_config(name)
+        config.update(shrink)
+        path = models / f"tiny-{name}.json"
+        path.write_text(config.to_json_string())
+        for lora_r in (None, 4):
+            cells.append(
+                {
+                    "cell": f"tiny-{name} {task} {seq_len} {'lora' if lora_r else 'full'}", "model": str(path),
+                    "task": task, "seq_len": seq_len, "lora_r": lora_r, "per_device_train_batch_size": 2,
+                    "gradient_accumulation_steps": 2, "gradient_checkpointing": lora_r is not None, "predicted_gib": 0.0,
+                }
+            )  # fmt: skip
+    return cells
+
+
+def check_12gb_table(models: Path, cells: list[dict]) -> list[dict]:
+    from ft_accum.memory_planner import load_model_config
+
+    cuda = torch.cuda.is_available()
+    total = torch.cuda.get_device_properties(0).total_memory if cuda else None
+    rows = []
+    for cell in cells:
+        if cell.get("lora_r") and cell["task"] != "causal_lm":
+            continue  # only the causal-LM recipe has LoRA
+        model_dir = models / Path(cell["model"]).stem
+        if not model_dir.exists():
+            random_model_dir(load_model_config(cell["model"]), cell["task"], model_dir)
+        micro, accumulation = cell["per_device_train_batch_size"], cell["gradient_accumulation_steps"]
+        common = [
+            f"--per_device_train_batch_size={micro}",
+            f"--gradient_accumulation_steps={accumulation}",
+            f"--gradient_checkpointing={cell['gradient_checkpointing']}",
+        ]
+        if cell["task"] == "causal_lm":
+            args = lm_args(model_dir, cell["seq_len"], micro, accumulation, 2, cell["gradient_checkpointing"])
+            args += [f"--use_lora={bool(cell.get('lora_r'))}", f"--lora_r={cell.get('lora_r') or 8}"]
+        elif cell["task"] == "text_classification":
+            args = [f"--model_name_or_path={model_dir}", f"--max_seq_length={cell['seq_len']}", *common]
+        else:
+            args = [f"--model_name_or_path={model_dir}", f"--max_source_length={cell['seq_len']}", *common]
+        if cell["task"] != "causal_lm":
+            args += [
+                "--max_train_steps=2",
+                f"--max_train_samples={max(200, 2 * micro * accumulation)}",
+                "--max_eval_samples=4",
+            ]
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(CAP_GIB * 2**30 / total)
+        try:
+            _, measured, _ = recipe_run(cell["task"], args, "bf16")
+            error = None
+        except torch.OutOfMemoryError as exc:
+            measured, error = float("nan"), str(exc).splitlines()[0][:160]
+        finally:
+            if cuda:
+                torch.cuda.set_per_process_memory_fraction(1.0)
         rows.append(
             {
-                "check": f"planner vs max_memory_allocated, GPT-2 124M, 4 × 256, {precision}",
-                "measured": f"{predicted / GIB:.2f} vs {measured / GIB:.2f} GiB ({predicted / measured:.3f}×)",
-                "bound": "0.90–1.10×",
-                "pass": 0.9 <= predicted / measured <= 1.1,
+                "check": f"12 GB table: {cell['cell']}, {micro} × {accumulation}, under {CAP_GIB} GiB",
+                "cell": cell["cell"],
+                "predicted_gib": cell["predicted_gib"],
+                "measured_gib": measured,
+                "measured": error or f"peak {measured:.2f} GiB (predicted {cell['predicted_gib']:.2f})",
+                "bound": f"no OOM under {CAP_GIB} GiB",
+                "pass": error is None,
             }
         )
     return rows
@@ -212,137 +348,174 @@ def check_oom_replan(model_dir: Path) -> list[dict]:
     ]
 
 
-def trainer_rate(micro: int, accumulation: int, updates: int, seq_len: int, bf16: bool) -> float:
-    from ft_accum.testing import load_script
+def packed_rows(model_dir: Path, block: int, count: int) -> list[dict]:
+    """`count` packed blocks of the bundled BBC News, as the recipe's --packing cuts them."""
+    from transformers import AutoTokenizer
 
-    _bench_loop_overhead = load_script(ROOT / "benchmarks" / "bench_loop_overhead.py")
-    load_inputs = _bench_loop_overhead.load_inputs
-    from transformers import Trainer, TrainingArguments
+    from ft_accum.offline_assets import load_bbc_news
 
-    from ft_accum.offline_assets import bundled_minilm_dir
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = []
+    for text in load_bbc_news(seed=42)["train"]["text"]:
+        ids += tokenizer(text + tokenizer.eos_token)["input_ids"]
+        if len(ids) >= count * block:
+            break
+    return [
+        {"input_ids": ids[i * block : (i + 1) * block], "labels": ids[i * block : (i + 1) * block]}
+        for i in range(count)
+    ]
 
-    model, collate, rows = load_inputs("classification", bundled_minilm_dir(), updates * micro * accumulation)
-    clock = UpdateClock()
+
+def timed_rates(stamps: list[float], sequences: int) -> float:
+    """Sequences per second: the median over updates, the first 2 (warm-up) left out."""
+    rates = [sequences / (b - a) for a, b in zip(stamps, stamps[1:])]
+    return statistics.median(rates[2:] if len(rates) > 3 else rates)
+
+
+def sync_now() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def run_plain(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(42)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
+    loader = torch.utils.data.DataLoader(rows, batch_size=micro, shuffle=True, collate_fn=default_collate)
+    model.train()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    stamps = [sync_now()]
+    for i, batch in enumerate(loader):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        (loss / accumulation).backward()
+        if (i + 1) % accumulation == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            stamps.append(sync_now())
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    return timed_rates(stamps, micro * accumulation), peak
+
+
+def run_trainer(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from ft_accum.testing import reset_accelerate_state
+
+    stamps = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):
+            stamps.append(sync_now())
+
+        def on_step_end(self, *args, **kwargs):
+            stamps.append(sync_now())
+
+    torch.manual_seed(42)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
-            out,
-            per_device_train_batch_size=micro,
-            gradient_accumulation_steps=accumulation,
-            max_steps=updates,
-            learning_rate=1e-4,
-            max_grad_norm=1.0,
-            weight_decay=0.0,
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            bf16=bf16,
-            use_cpu=not torch.cuda.is_available(),
-            disable_tqdm=True,
-        )
-        Trainer(
-            model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[trainer_callback(clock)]
-        ).train()
-    return steady_rate(clock.rates(micro * accumulation))
+            out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation, max_steps=updates,
+            learning_rate=1e-4, lr_scheduler_type="linear", max_grad_norm=1.0, weight_decay=0.0, report_to="none",
+            save_strategy="no", logging_strategy="no", bf16=torch.cuda.is_available(),
+            use_cpu=not torch.cuda.is_available(), disable_tqdm=True, optim="adamw_torch_fused", seed=42,
+        )  # fmt: skip
+        Trainer(model=model, args=args, train_dataset=rows, data_collator=default_collate, callbacks=[Clock()]).train()
+    reset_accelerate_state()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    return timed_rates(stamps, micro * accumulation), peak
 
 
-def check_throughput(micro: int, accumulation: int, updates: int, repeats: int, bf16: bool) -> list[dict]:
-    import subprocess
+def run_recipe(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
+    _, peak, records = recipe_run(
+        "causal_lm", lm_args(model_dir, len(rows[0]["input_ids"]), micro, accumulation, updates, False), "bf16"
+    )
+    rates = [r["samples_per_second"] for r in records]
+    return statistics.median(rates[2:] if len(rates) > 3 else rates), peak
 
-    from accelerate.state import AcceleratorState, GradientState
 
-    from ft_accum.testing import load_script
+def default_collate(rows):
+    return {k: torch.tensor([r[k] for r in rows]) for k in rows[0]}
 
-    bench_loop_overhead = load_script(ROOT / "benchmarks" / "bench_loop_overhead.py")
 
-    ratios = []
-    for _ in range(repeats):
-        args = [
-            "--per_device_train_batch_size",
-            str(micro),
-            "--gradient_accumulation_steps",
-            str(accumulation),
-            "--max_seq_length",
-            str(bench_loop_overhead.SEQ_LEN),
-            "--max_train_steps",
-            str(updates),
-            "--max_train_samples",
-            str(updates * micro * accumulation),
-            "--max_eval_samples",
-            "8",
-            "--learning_rate",
-            "1e-4",
-            "--lr_scaling",
-            "none",
-            "--weight_decay",
-            "0",
-            "--num_warmup_steps",
-            "0",
-        ]
-        if bf16:
-            with tempfile.TemporaryDirectory() as out:
-                launch_with_config("single_gpu_bf16.yaml", args, Path(out))
-                records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-        else:
-            records = launch_recipe("text_classification", args)[1]
-        ours = steady_rate([r["samples_per_second"] for r in records])
-        proc = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--trainer_rate",
-                json.dumps([micro, accumulation, updates, bench_loop_overhead.SEQ_LEN, bf16]),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        ratios.append(ours / json.loads(proc.stdout.strip().splitlines()[-1]))
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-    ratio = statistics.median(ratios)
+def check_throughput(models: Path, dry_run: bool) -> list[dict]:
+    from ft_accum.memory_planner import load_model_config
+
+    config = load_model_config("gpt2-124m")
+    micro, accumulation, updates, block = 8, 4, 12, 1024
+    if dry_run:
+        config.n_layer, config.n_embd, config.n_head, config.n_positions = 1, 64, 2, 64
+        micro, accumulation, updates, block = 2, 2, 5, 64
+    model_dir = random_model_dir(config, "causal_lm", models / "gpt2-throughput")
+    rows = packed_rows(model_dir, block, micro * accumulation * updates)
+    loops = {"plain": run_plain, "trainer": run_trainer, "recipe": run_recipe}
+    rates, peaks = {name: [] for name in loops}, {}
+    for order in (list(loops), list(reversed(loops))):
+        for name in order:
+            rate, peaks[name] = loops[name](model_dir, rows, micro, accumulation, updates)
+            rates[name].append(rate)
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    vs_plain, vs_trainer = median["recipe"] / median["plain"], median["recipe"] / median["trainer"]
+    figures = ", ".join(f"{n} {median[n] * block:,.0f} tokens/s, peak {peaks[n]:.2f} GiB" for n in loops)
     return [
         {
-            "check": f"throughput recipe / Trainer, {'bf16' if bf16 else 'fp32'}, {micro} × {accumulation}",
-            "measured": f"{ratio:.3f}× (per repeat {', '.join(f'{r:.2f}' for r in ratios)})",
-            "bound": "≥ 1.0×",
-            "pass": ratio >= 1.0,
+            "check": f"throughput, GPT-2 124M, {micro} × {accumulation} × {block} tokens, bf16",
+            "measured": f"recipe / plain {vs_plain:.3f}×, recipe / Trainer {vs_trainer:.3f}× ({figures})",
+            "rates": rates,
+            "peaks_gib": peaks,
+            "bound": "≥ 0.98× plain, ≥ 1.0× Trainer",
+            "pass": dry_run or (vs_plain >= 0.98 and vs_trainer >= 1.0),
         }
     ]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--dry_run",
-        action="store_true",
-        help="CPU, tiny settings, checks 1 (fp32) and 4 only: tests this script, not a GPU",
-    )
-    parser.add_argument("--trainer_rate", help=argparse.SUPPRESS)  # internal: one Trainer run in a fresh process
+    parser.add_argument("--dry_run", action="store_true", help="CPU, tiny settings: tests this script, not a GPU")
+    parser.add_argument("--output", type=Path, help="default: $OUT/gpu_check.json, else benchmarks/results/")
     args = parser.parse_args()
-    if args.trainer_rate:
-        print(json.dumps(trainer_rate(*json.loads(args.trainer_rate))))
-        return
     if not torch.cuda.is_available() and not args.dry_run:
         sys.exit(
-            "error: no CUDA GPU here; gpu_check.py checks what only a GPU can (use --dry_run to test the script on CPU)"
+            "error: no CUDA GPU here; gpu_check.py checks what only a GPU can (--dry_run tests the script on CPU)"
         )
-    rows = []
-    with tempfile.TemporaryDirectory() as models:
-        model_dir = dropout_free_minilm(Path(models) / "minilm-no-dropout")
+    output = args.output or Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results") / "gpu_check.json"
+    started, rows = time.perf_counter(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        models = Path(tmp)
+        minilm = dropout_free_minilm(models / "minilm-no-dropout")
         if args.dry_run:
-            rows += check_mixed_precision(model_dir, ["no"], updates=2, seq_len=32)
-            rows += check_throughput(micro=4, accumulation=2, updates=3, repeats=1, bf16=False)
+            rows += check_mixed_precision(minilm, ["no"], updates=2, seq_len=32)
+            rows += check_planner(models, dry_run=True)
+            rows += check_12gb_table(models, dry_run_cells(models))
+            rows += check_throughput(models, dry_run=True)
         else:
-            rows += check_mixed_precision(model_dir, ["no", "bf16", "fp16"], updates=6, seq_len=128)
-            rows += check_planner()
-            rows += check_oom_replan(model_dir)
-            rows += check_throughput(micro=32, accumulation=4, updates=8, repeats=3, bf16=True)
-    print(f"device: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU (dry run)'}\n")
+            rows += check_mixed_precision(minilm, ["no", "bf16", "fp16"], updates=6, seq_len=128)
+            rows += check_planner(models, dry_run=False)
+            plan = json.loads((ROOT / "benchmarks" / "results" / "plan_12gb.json").read_text())
+            rows += check_12gb_table(models, plan["cells"])
+            rows += check_throughput(models, dry_run=False)
+            rows += check_oom_replan(minilm)
+    from ft_accum.benchmarking import machine_info
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run: says nothing about GPUs)"
+    print(f"device: {device}, {time.perf_counter() - started:.0f} s\n")
     print("| check | measured | bound | result |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row['check']} | {row['measured']} | {row['bound']} | {'pass' if row['pass'] else '**FAIL**'} |")
-    if not args.dry_run:
-        (ROOT / "benchmarks" / "results" / "gpu_check.json").write_text(json.dumps(rows, indent=2))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"dry_run": args.dry_run, "machine": machine_info(), "seconds": time.perf_counter() - started}
+    output.write_text(json.dumps({**summary, "rows": rows}, indent=2, default=str))
     sys.exit(0 if all(r["pass"] for r in rows) else 1)
 
 

@@ -1,14 +1,18 @@
 """Generate the README's "what fits on a 12 GB card" table with the memory planner.
 
-    python benchmarks/plan_12gb_table.py --gpu_memory 12GiB --effective_batch_size 32 > benchmarks/results/plan_12gb.md
+    python benchmarks/plan_12gb_table.py --gpu_memory 12 --effective_batch_size 32 > benchmarks/results/plan_12gb.md
 
 Each row is `ft-accum plan` for one shipped config: the recommended split (the fastest predicted
-to fit), for full fine-tuning (bf16 mixed precision, AdamW) and for LoRA r=16 (bf16 weights).
-These are predictions from traced steps, not measurements.
+to fit), for full fine-tuning (bf16 mixed precision, fp32 master weights, fused AdamW) and for
+LoRA r=16 (bf16 frozen base). The cells also go to benchmarks/results/plan_12gb.json, from which
+benchmarks/gpu_check.py runs each one on a GPU under an 11.4 GiB cap; a cell that such a run
+verified (benchmarks/results/gpu_check.json) says "verified on GPU", every other "predicted".
 """
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 from ft_accum.errors import ConfigError
 from ft_accum.memory_planner import plan
@@ -22,12 +26,23 @@ MODELS = [  # (shipped config, task, sequence length)
     ("llama-3.1-8b", "causal_lm", 1024),
 ]
 MODES = {
-    "full fine-tuning (bf16-mixed, AdamW)": {"precision": "bf16-mixed", "optimizer": "adamw"},
-    "LoRA r=16 (bf16 weights)": {"precision": "bf16", "optimizer": "adamw", "lora_r": 16},
+    "full fine-tuning (bf16-mixed, fp32 weights, AdamW)": {"precision": "bf16-mixed", "optimizer": "adamw"},
+    "LoRA r=16 (bf16 frozen base)": {"precision": "bf16", "optimizer": "adamw", "lora_r": 16},
 }
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def verified_cells() -> dict[str, dict]:
+    """The cells a GPU run of gpu_check.py finished under the cap, by their key."""
+    path = ROOT / "benchmarks" / "results" / "gpu_check.json"
+    rows = json.loads(path.read_text())["rows"] if path.is_file() else []
+    return {r["cell"]: r for r in rows if r.get("cell") and r["pass"]}
+
+
 def cell(model, task, seq_len, settings, args):
+    """(the table's text, the cell's record for plan_12gb.json or None)."""
     try:
         result = plan(
             model,
@@ -38,31 +53,53 @@ def cell(model, task, seq_len, settings, args):
             **settings,
         )
     except ConfigError as exc:
-        return "does not fit: " + str(exc).split(";")[0].replace(
-            "the weights and optimizer state alone need", "weights + optimizer state need"
+        text = (
+            str(exc)
+            .split(";")[0]
+            .replace("the weights and optimizer state alone need", "weights + optimizer state need")
         )
+        return "does not fit: " + text, None
     best = result["recommended"]
     if best is None:
-        return "does not fit at micro-batch 1"
-    return (
+        return "does not fit at micro-batch 1", None
+    record = {
+        "cell": f"{model} {task} {seq_len} {'lora' if settings.get('lora_r') else 'full'}",
+        "model": model,
+        "task": task,
+        "seq_len": seq_len,
+        **settings,
+        "effective_batch_size": args.effective_batch_size,
+        "per_device_train_batch_size": best["per_device_train_batch_size"],
+        "gradient_accumulation_steps": best["gradient_accumulation_steps"],
+        "gradient_checkpointing": best["gradient_checkpointing"],
+        "predicted_gib": best["peak_gib"],
+    }
+    verified = verified_cells().get(record["cell"])
+    mark = f"verified on GPU, {verified['measured_gib']:.1f} GiB" if verified else "predicted"
+    text = (
         f"{best['per_device_train_batch_size']} × {best['gradient_accumulation_steps']}"
         + (", checkpointing" if best["gradient_checkpointing"] else "")
-        + f" ({best['peak_gib']:.1f} GiB)"
+        + f" ({best['peak_gib']:.1f} GiB, {mark})"
     )
+    return text, record
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu_memory", type=float, default=12.0, help="GiB")
     parser.add_argument("--effective_batch_size", type=int, default=32)
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "plan_12gb.json")
     args = parser.parse_args()
     print(f"| model | task, tokens | {' | '.join(MODES)} |")
     print("|---|---|" + "---|" * len(MODES))
+    records = []
     for model, task, seq_len in MODELS:
         started = time.perf_counter()
         cells = [cell(model, task, seq_len, settings, args) for settings in MODES.values()]
-        print(f"| {model} | {task}, {seq_len} | {' | '.join(cells)} |", flush=True)
+        records += [record for _, record in cells if record]
+        print(f"| {model} | {task}, {seq_len} | {' | '.join(text for text, _ in cells)} |", flush=True)
         print(f"<!-- {model}: {time.perf_counter() - started:.0f} s -->", flush=True)
+    args.json.write_text(json.dumps({"gpu_memory_gib": args.gpu_memory, "cells": records}, indent=2))
 
 
 if __name__ == "__main__":

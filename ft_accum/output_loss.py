@@ -5,7 +5,7 @@ entries that is 2.5 GB in bf16, plus the fp32 copy that a stable log-softmax wan
 gradient (5 GB), which is more than the rest of a small model's step on a 12 GB card (issue 16).
 
 `linear_cross_entropy_sum` computes Σ_t CE(h_t Wᵀ + b, y_t) over the target tokens only, in chunks
-of ~16M logits, and computes each chunk's gradients with respect to h and W in the forward pass
+of ~32M logits, and computes each chunk's gradients with respect to h and W in the forward pass
 (d CE / d logits = softmax − onehot), so no chunk outlives its loop iteration. This is Liger
 Kernel's fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989) in plain PyTorch; Apple's
 cut-cross-entropy (Wijmans et al. 2024, arXiv:2411.09009) and torchtune's chunked output loss make
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ft_accum.loss_normalization import causal_lm_loss_sum
 
-LOGITS_PER_CHUNK = 1 << 24  # 64 MiB of fp32 logits per chunk; a few such temporaries at once
+LOGITS_PER_CHUNK = 1 << 25  # 128 MiB of fp32 logits per chunk: big enough for fast matmuls, small beside a step
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -54,13 +54,12 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             for start in range(0, len(h), chunk_size):
                 end = start + chunk_size
                 h_chunk, y, keep = h[start:end], targets[start:end], is_target[start:end].float()
-                logits = F.linear(h_chunk, w, b).float()
-                log_norm = torch.logsumexp(logits, dim=-1)
-                loss += ((log_norm - logits.gather(1, y[:, None]).squeeze(1)) * keep).sum()
+                log_probs = torch.log_softmax(F.linear(h_chunk, w, b).float(), dim=-1)
+                loss -= (log_probs.gather(1, y[:, None]).squeeze(1) * keep).sum()
                 if grad_h is None and grad_w is None and grad_b is None:
                     continue
-                # d CE / d logits = softmax − onehot, zero on the ignored positions; built in place of the logits.
-                grad_logits = logits.sub_(log_norm[:, None]).exp_()
+                # d CE / d logits = softmax − onehot, zero on the ignored positions; built in place.
+                grad_logits = log_probs.exp_()
                 grad_logits[torch.arange(len(y), device=y.device), y] -= 1
                 grad_logits *= keep[:, None]
                 if grad_b is not None:
@@ -68,8 +67,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 grad_logits = grad_logits.to(dtype)
                 if grad_h is not None:
                     grad_h[start:end] = grad_logits @ w
-                if grad_w is not None:
-                    grad_w += (grad_logits.t() @ h_chunk).float()
+                if grad_w is not None:  # accumulated in fp32 whatever the compute dtype
+                    if dtype == torch.float32:
+                        grad_w.addmm_(grad_logits.t(), h_chunk)  # no weight-sized temporary per chunk
+                    else:
+                        grad_w += grad_logits.t() @ h_chunk
         ctx.grads = (grad_h, grad_w, grad_b)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return loss

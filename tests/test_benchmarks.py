@@ -6,7 +6,11 @@ with each section's table and plot, and that the correctness section's claims ho
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,3 +55,34 @@ def test_run_all_quick_writes_every_section(tmp_path):
     assert all(t["median"]["2"] > 0 for t in ddp.values())  # bench_ddp itself asserts that 2 processes ran
     accuracy = json.loads((tmp_path / "results" / "time_to_accuracy.json").read_text())
     assert "skipped" in accuracy or len(accuracy["runs"]) == 5  # SST-2 lives in ../shared, absent on CI
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args], capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_output_loss_and_profile_benchmarks_run_quick(tmp_path):
+    run_script("bench_output_loss.py", "--quick", "--output", str(tmp_path / "output_loss.json"))
+    results = json.loads((tmp_path / "output_loss.json").read_text())
+    assert {row["micro"] for row in results["memory"]} == {1, 2}
+    assert all(set(row["seconds"]) == {"model", "logits", "chunked"} for row in results["time"])
+    run_script("profile_update.py", "--quick", "--output", str(tmp_path / "profile.json"))
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert set(profile) == {"quick", "plain", "recipe, logits", "recipe"}
+    # The recipe adds at most one host synchronisation per update (the window's all-reduce), none per micro-batch.
+    assert profile["recipe"]["host_syncs_per_update"] <= profile["plain"]["host_syncs_per_update"] + 1
+
+
+@pytest.mark.launch
+def test_gpu_check_dry_run_exercises_every_check_it_can_on_cpu(tmp_path):
+    """The GPU check must not first break on the GPU machine: its dry run runs checks 1–4 on CPU."""
+    proc = run_script("gpu_check.py", "--dry_run", "--output", str(tmp_path / "gpu_check.json"))
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    checks = " ".join(r["check"] for r in rows)
+    for part in ("(8 × 1) = (2 × 4)", "planner / recipe peak", "12 GB table", "throughput"):
+        assert part in checks, part
+    assert all(r["pass"] for r in rows) and "| check | measured |" in proc.stdout
