@@ -30,6 +30,8 @@ def plan_command(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         lora_r=args.lora_r,
         lora_target_modules=args.lora_target_modules,
+        attention=args.attention,
+        loss_path="logits" if args.no_chunked_loss else "chunked",
     )
     result["seconds"] = round(time.perf_counter() - started, 1)
     if args.json:
@@ -60,6 +62,11 @@ def format_plan(result: dict) -> str:
         f"· {result['precision']} · {result['optimizer']}"
         + (f" · LoRA r={result['lora_r']}" if result["lora_r"] else "")
         + f" · card {result['gpu_memory_gib']:g} GiB (fits: {result['margin']})",
+        f"assumes the recipes' step: {result['loss_path']} loss, fused AdamW, "
+        + {
+            "fused": "CUDA's fused SDPA attention (flash / memory-efficient)",
+            "math": "T×T attention scores (math/eager)",
+        }[result["attention"]],
         "",
         f"{'micro':>5} {'accum':>5} {'ckpt':>4} {'peak GiB':>9} {'weights+opt':>11} {'fits':>4} {'rel. speed':>10}",
     ]
@@ -129,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", default="adamw", choices=memory_planner.OPTIMIZERS)
     plan.add_argument("--lora_r", type=int, default=None, help="plan a LoRA run of this rank (needs peft)")
     plan.add_argument("--lora_target_modules", default="all-linear")
+    plan.add_argument(
+        "--attention",
+        default="fused",
+        choices=memory_planner.ATTENTION,
+        help="fused: CUDA's flash/memory-efficient SDPA (O(T) per head); math: T×T scores (eager attention, CPU runs)",
+    )
+    plan.add_argument(
+        "--no_chunked_loss", action="store_true", help="plan the recipe's --no_chunked_loss (full logits) path"
+    )
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     plan.set_defaults(handler=plan_command)
 

@@ -19,3 +19,27 @@ def import_peft():
 def parse_target_modules(value: str) -> str | list[str]:
     """`q_proj,v_proj` → ["q_proj", "v_proj"]; `all-linear` is passed through to peft as is."""
     return value if value == "all-linear" else [m.strip() for m in value.split(",") if m.strip()]
+
+
+def apply_lora(model, task_args, gradient_checkpointing: bool):
+    """Wrap a causal LM in a LoRA adapter from the recipe's --lora_* flags (peft's `get_peft_model`)."""
+    peft = import_peft()
+    lora_config = peft.LoraConfig(
+        task_type="CAUSAL_LM",
+        r=task_args.lora_r,
+        lora_alpha=task_args.lora_alpha,
+        lora_dropout=task_args.lora_dropout,
+        target_modules=parse_target_modules(task_args.lora_target_modules),
+    )
+    model = peft.get_peft_model(model, lora_config)
+    if gradient_checkpointing:
+        # The frozen embeddings would give checkpointed blocks inputs without grad; this keeps the graph alive.
+        model.enable_input_require_grads()
+    return model
+
+
+def describe_trainable(model, task_args) -> str:
+    """The banner's line: trainable parameters of all, and the LoRA rank if any."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lora_rank = f" (LoRA r={task_args.lora_r})" if task_args.use_lora else ""
+    return f"{trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters{lora_rank}"

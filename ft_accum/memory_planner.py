@@ -470,6 +470,8 @@ def plan(
     optimizer: str = "adamw",
     lora_r: int | None = None,
     lora_target_modules: str = "all-linear",
+    attention: str = "fused",
+    loss_path: str = "chunked",
 ) -> dict[str, Any]:
     """Every exact split of the effective batch, with and without checkpointing: predicted peak, fit, speed.
 
@@ -486,6 +488,8 @@ def plan(
         "optimizer": optimizer,
         "lora_r": lora_r,
         "lora_target_modules": lora_target_modules,
+        "attention": attention,
+        "loss_path": loss_path,
     }
     smallest = trace_step(config, micro_batch_size=micros[0], **settings)
     static = smallest.parameters + smallest.optimizer_state
@@ -533,6 +537,8 @@ def plan(
         "precision": precision,
         "optimizer": optimizer,
         "lora_r": lora_r,
+        "attention": attention,
+        "loss_path": loss_path,
         "gpu_memory_gib": gpu_memory_gib,
         "margin": f"peak × {FRAGMENTATION} + {CUDA_OVERHEAD_GIB} GiB ≤ card",
         "candidates": rows,

@@ -236,3 +236,37 @@ def load_bbc_headlines(seed: int = 42) -> datasets.DatasetDict:
 
     news = load_bbc_news(seed=seed)
     return news.map(split_title, batched=True, remove_columns=news["train"].column_names)
+
+
+TOPIC_QUESTION = "Which topic is this article about? Answer with one word."
+HEADLINE_QUESTION = "Write a headline for this article."
+
+
+def load_bbc_instructions(seed: int = 42, body_words: int = 50) -> datasets.DatasetDict:
+    """BBC News as chat instructions, two per article, offline: a `messages` column.
+
+    - "Which topic is this article about? Answer with one word." → business, entertainment,
+      politics, sport or tech;
+    - "Write a headline for this article." → its title (the article file's first line).
+
+    Each question carries the article's first `body_words` words. The train/validation split is
+    `load_bbc_news`'s, so no article is in both; rows alternate topic, headline, topic, ...
+    """
+    topics = BBC_TOPICS
+
+    def to_messages(rows):
+        messages = []
+        for text, label in zip(rows["text"], rows["label"]):
+            title, _, body = text.partition("\n")
+            excerpt = " ".join(body.split()[:body_words])
+            for question, answer in ((TOPIC_QUESTION, topics[label]), (HEADLINE_QUESTION, title.strip())):
+                messages.append(
+                    [
+                        {"role": "user", "content": f"{question}\n\n{excerpt}"},
+                        {"role": "assistant", "content": answer},
+                    ]
+                )
+        return {"messages": messages}
+
+    news = load_bbc_news(seed=seed)
+    return news.map(to_messages, batched=True, remove_columns=news["train"].column_names)

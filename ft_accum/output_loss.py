@@ -175,7 +175,7 @@ class OutputLoss:
         self.checked = True
         was_training = model.training
         model.eval()
-        row = {k: v[:1] for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        row = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         full, _ = self._full_logits_loss(model(**row).logits, labels[:1])
         chunked, _ = linear_cross_entropy_sum(
             self.hidden_states(model, **row), self.layer.weight, self.layer.bias, self._targets(labels[:1])

@@ -195,6 +195,43 @@ def make_documents(n: int, seed: int, min_words: int = 4, max_words: int = 40) -
     return [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words)))} for _ in range(n)]
 
 
+def make_conversations(n: int, seed: int) -> list[dict]:
+    """Chats whose answers differ 10× and more in length: one-word answers, 20–40-word answers, and
+    some two-round conversations (two assistant turns), as `messages` rows."""
+    rng = random.Random(seed)
+    words = COMMON + [w for ws in TOPICS.values() for w in ws]
+
+    def say(low, high):
+        return " ".join(rng.choice(words) for _ in range(rng.randint(low, high)))
+
+    rows = []
+    for i in range(n):
+        answer = rng.choice(list(TOPICS)) if i % 2 == 0 else say(20, 40)
+        messages = [{"role": "user", "content": say(3, 12)}, {"role": "assistant", "content": answer}]
+        if i % 3 == 0:
+            messages += [{"role": "user", "content": say(2, 6)}, {"role": "assistant", "content": say(1, 3)}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def make_tiny_chat_lm(path: Path) -> Path:
+    """A 2-layer, 32-wide Llama with SmolLM2-135M-Instruct's real tokenizer and chat template (bundled, offline)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from ft_accum.offline_assets import bundled_smollm2_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_dir())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def build_word_tokenizer(path: Path):
     """A word-level fast tokenizer with real pad and eos tokens, saved like a hub tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers

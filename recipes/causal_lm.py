@@ -103,7 +103,8 @@ NO_DECAY = ("bias", "norm.weight", "ln_f.weight", "ln_1.weight", "ln_2.weight")
 
 def build_model(task, args, mixed_precision):
     name = task.model_name_or_path or str(offline_assets.bundled_smollm2_dir())
-    peft = lora.import_peft() if task.use_lora else None
+    if task.use_lora:
+        lora.import_peft()  # a missing peft fails before the model loads
     tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
     model = loading.load_pretrained(AutoModelForCausalLM, name, args.trust_remote_code)
     model = loading.cast_and_compile(model, args, mixed_precision, frozen_base=task.use_lora)
@@ -113,18 +114,8 @@ def build_model(task, args, mixed_precision):
     if args.gradient_checkpointing:
         model.config.use_cache = False  # the cache is useless in training and conflicts with recomputation
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if peft:
-        lora_config = peft.LoraConfig(
-            task_type="CAUSAL_LM",
-            r=task.lora_r,
-            lora_alpha=task.lora_alpha,
-            lora_dropout=task.lora_dropout,
-            target_modules=lora.parse_target_modules(task.lora_target_modules),
-        )
-        model = peft.get_peft_model(model, lora_config)
-        if args.gradient_checkpointing:
-            # The frozen embeddings would give checkpointed blocks inputs without grad; this keeps the graph alive.
-            model.enable_input_require_grads()
+    if task.use_lora:
+        model = lora.apply_lora(model, task, args.gradient_checkpointing)
     return model, tokenizer
 
 
@@ -207,12 +198,6 @@ def training_step(model, batch, output_loss):
     return loss_sum, num_tokens, len(batch["input_ids"])
 
 
-def describe_trainable(model, task):
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    lora_rank = f" (LoRA r={task.lora_r})" if task.use_lora else ""
-    return f"{trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters{lora_rank}"
-
-
 def save_extras(task, accelerator, model, tokenizer, output_dir):
     """--merge_lora: the base with the adapter merged into final_merged/; --generate_prompt: a greedy sample."""
     if task.use_lora and task.merge_lora:
@@ -253,7 +238,7 @@ def train(task, args):
     )
     layout = f"{'packed' if task.packing else 'padded'} to {task.block_size} tokens"
     rows = {
-        "trainable": describe_trainable(model, task),
+        "trainable": lora.describe_trainable(model, task),
         "sequences": f"{len(train_dataloader.dataset)} train / {len(eval_dataloader.dataset)} eval, {layout}",
         "loss": output_loss.path,
     }

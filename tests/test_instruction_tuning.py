@@ -1,0 +1,193 @@
+"""recipes/instruction_tuning.py: assistant-only labels on a real chat template, exact accumulation
+over assistant tokens against the full batch (with the naive mean of means as the control that
+must fail), packing without cross-talk, and the bad inputs of issue 18."""
+
+import json
+
+import pytest
+import torch
+from accelerate import Accelerator
+from conftest import RTOL, launch, read_metrics, recipe_args, run_in_process, write_jsonl
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ft_accum import chat_data
+from ft_accum.errors import ConfigError
+from ft_accum.loss_normalization import causal_lm_loss_sum
+from ft_accum.output_loss import OutputLoss
+from ft_accum.testing import (
+    final_weights,
+    make_conversations,
+    make_tiny_chat_lm,
+    relative_error,
+    reset_accelerate_state,
+)
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "Which topic? Answer with one word."},
+    {"role": "assistant", "content": "sport"},
+    {"role": "user", "content": "And a headline?"},
+    {"role": "assistant", "content": "Late goal wins the cup final"},
+]
+
+
+@pytest.fixture(scope="module")
+def chat_lm_dir(tmp_path_factory):
+    return make_tiny_chat_lm(tmp_path_factory.mktemp("tiny-chat-lm"))
+
+
+@pytest.fixture(scope="module")
+def chat_files(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chats")
+    return {
+        "train": write_jsonl(path / "train.jsonl", make_conversations(16, seed=3)),
+        "validation": write_jsonl(path / "validation.jsonl", make_conversations(6, seed=4)),
+    }
+
+
+def labelled_text(tokenizer, row) -> list[str]:
+    """The decoded runs of labelled tokens, one per contiguous span."""
+    spans, current = [], []
+    for token, label in zip(row["input_ids"], row["labels"]):
+        if label != -100:
+            current.append(token)
+        elif current:
+            spans, current = spans + [tokenizer.decode(current)], []
+    return spans + ([tokenizer.decode(current)] if current else [])
+
+
+@pytest.mark.parametrize("template", ["model's own (prefix by prefix)", "chatml (generation markers)"])
+def test_exactly_the_assistant_answers_carry_labels(chat_lm_dir, template):
+    tokenizer = AutoTokenizer.from_pretrained(chat_lm_dir)  # SmolLM2-135M-Instruct's real template
+    chat_data.resolve_chat_template(tokenizer, "chatml" if template.startswith("chatml") else None, "tiny")
+    assert ("{% generation %}" in tokenizer.chat_template) == template.startswith("chatml")
+    row = chat_data.tokenize_chats(tokenizer, [CONVERSATION], max_length=512).rows[0]
+    # Each answer with its end-of-turn marker (the model must learn to stop), nothing else: not the
+    # system prompt, the user turns, or the "<|im_start|>assistant" headers.
+    assert labelled_text(tokenizer, row) == ["sport<|im_end|>\n", "Late goal wins the cup final<|im_end|>\n"]
+    assert row["labels"] == [t if label != -100 else -100 for t, label in zip(row["input_ids"], row["labels"])]
+
+
+def test_truncation_is_counted_and_an_answerless_remainder_dropped(chat_lm_dir):
+    tokenizer = AutoTokenizer.from_pretrained(chat_lm_dir)
+    long_question = [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "yes"}]
+    chats = chat_data.tokenize_chats(tokenizer, [CONVERSATION, long_question], max_length=40)
+    assert chats.truncated == 2 and chats.dropped == 1 and len(chats.rows) == 1
+    assert all(len(r["input_ids"]) == 40 for r in chats.rows)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_a_packed_row_has_the_loss_of_its_conversations_run_one_by_one(chat_lm_dir, attn_implementation):
+    tokenizer = AutoTokenizer.from_pretrained(chat_lm_dir)
+    model = AutoModelForCausalLM.from_pretrained(chat_lm_dir, attn_implementation=attn_implementation)
+    rows = chat_data.tokenize_chats(
+        tokenizer, [r["messages"] for r in make_conversations(5, seed=9)], max_length=512
+    ).rows
+    packed = chat_data.pack_chats(rows, max_length=512)
+    assert len(packed) == 1  # all five in one row
+    batch = chat_data.collate_chats(tokenizer.pad_token_id, packed=True)(packed)
+
+    one_by_one_loss, one_by_one_logits = 0.0, []
+    with torch.no_grad():
+        for row in rows:
+            logits = model(input_ids=torch.tensor([row["input_ids"]]), use_cache=False).logits
+            one_by_one_loss += causal_lm_loss_sum(logits, torch.tensor([row["labels"]]))[0].item()
+            one_by_one_logits.append(logits[0])
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        cross_talk = model(input_ids=batch["input_ids"], use_cache=False).logits  # the control: one causal sequence
+    packed_loss = causal_lm_loss_sum(packed, batch["labels"])[0].item()
+    expected = torch.cat(one_by_one_logits)
+
+    assert abs(packed_loss - one_by_one_loss) / one_by_one_loss <= 1e-5
+    assert rel(packed[0, : len(expected)], expected) <= 1e-5
+    assert rel(cross_talk[0, : len(expected)], expected) > 1e-2  # later conversations would see earlier ones
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def naive_and_exact_gradients(model_dir, conversations, micro, accumulation):
+    """The full-batch gradient, and the mean of per-micro-batch mean losses' gradient (`loss / N`)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = chat_data.tokenize_chats(tokenizer, conversations, max_length=512).rows[: micro * accumulation]
+    collate = chat_data.collate_chats(tokenizer.pad_token_id, packed=False)
+    loss_fn = OutputLoss(model, shift=True, accelerator=Accelerator(cpu=True))
+    reset_accelerate_state()
+
+    def grads(loss):
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])
+
+    def loss_of(batch):
+        return loss_fn(model, batch["labels"], input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+    loss_sum, count = loss_of(collate(rows))
+    full = grads(loss_sum / count)
+    naive = sum(
+        grads(torch.div(*loss_of(collate(rows[i : i + micro]))) / accumulation)
+        for i in range(0, micro * accumulation, micro)
+    )
+    return full, naive
+
+
+def test_recipe_accumulation_matches_the_full_batch_and_two_ddp_processes(tmp_path, chat_lm_dir, chat_files):
+    answers = [len(m["messages"][1]["content"].split()) for m in make_conversations(16, seed=3)]
+    assert max(answers) >= 10 * min(answers)  # the point: assistant lengths differ 10× or more
+
+    def args(out, micro, accumulation):
+        return recipe_args(
+            chat_lm_dir, chat_files, out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+            max_train_steps=2, max_seq_length=512, exact_match_max_words=1, max_new_tokens=2,
+        )  # fmt: skip
+
+    run_in_process("instruction_tuning", args(tmp_path / "full", 8, 1))
+    run_in_process("instruction_tuning", args(tmp_path / "accumulated", 2, 4))
+    launch("instruction_tuning", args(tmp_path / "ddp", 2, 2), num_processes=2)
+    full = final_weights(tmp_path / "full")
+    assert relative_error(final_weights(tmp_path / "accumulated"), full) <= RTOL
+    assert relative_error(final_weights(tmp_path / "ddp"), full) <= RTOL
+    assert json.loads((tmp_path / "ddp" / "all_results.json").read_text())["num_processes"] == 2
+    assert [r["tokens_seen"] for r in read_metrics(tmp_path / "accumulated")] == [
+        r["tokens_seen"] for r in read_metrics(tmp_path / "full")
+    ]
+
+    # The control, on the same conversations: the naive mean of per-micro-batch means is far off.
+    exact, naive = naive_and_exact_gradients(chat_lm_dir, [m["messages"] for m in make_conversations(16, 3)], 2, 4)
+    assert float((naive - exact).norm() / exact.norm()) > 1e-2  # measured 5.4e-2: 5,000× the bound above
+
+
+@pytest.mark.parametrize(
+    "rows, fragment",
+    [
+        ([{"messages": [{"role": "user", "content": "hi"}]}], "has no assistant turn"),
+        ([{"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}], "unknown role 'robot'"),
+        ([{"messages": "just a string"}], "messages must be a non-empty list"),
+        ([{"question": "hi", "answer": "x"}], "--messages_column"),
+    ],
+)  # fmt: skip
+def test_bad_conversations_stop_with_one_line(tmp_path, chat_lm_dir, rows, fragment):
+    data = {s: write_jsonl(tmp_path / f"{s}.jsonl", rows * 4) for s in ("train", "validation")}
+    with pytest.raises(SystemExit, match="^error: .*" + fragment.replace("(", r"\(")):
+        run_in_process("instruction_tuning", recipe_args(chat_lm_dir, data, tmp_path / "out", max_train_steps=1))
+
+
+def test_a_model_without_a_chat_template_needs_one(tmp_path, chat_lm_dir):
+    tokenizer = AutoTokenizer.from_pretrained(chat_lm_dir)
+    tokenizer.chat_template = None
+    with pytest.raises(ConfigError, match="no chat template; pass --chat_template chatml"):
+        chat_data.resolve_chat_template(tokenizer, None, "tiny")
+
+
+@pytest.mark.launch
+def test_launch_with_packing_lora_and_resume(tmp_path, chat_lm_dir, chat_files):
+    args = recipe_args(
+        chat_lm_dir, chat_files, tmp_path / "out", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_train_steps=3, max_seq_length=256, checkpointing_steps=1, max_new_tokens=2,
+    )  # fmt: skip
+    proc = launch("instruction_tuning", [*args, "--packing", "--use_lora", "--lora_r=4", "--max_train_steps=2"])
+    assert "packed into" in proc.stdout and "assistant tokens" in proc.stdout and "chunked" in proc.stdout
+    launch("instruction_tuning", [*args, "--packing", "--use_lora", "--lora_r=4", "--resume_from_checkpoint=latest"])
+    results = json.loads((tmp_path / "out" / "all_results.json").read_text())
+    assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1, 2, 3] and 0 <= results["eval_exact_match"] <= 1
+    assert (tmp_path / "out" / "final" / "adapter_config.json").is_file()
