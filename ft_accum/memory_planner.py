@@ -222,10 +222,16 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     batch, heads, length, dim = query.shape
     if key.shape[1] != heads:
         query = query.reshape(batch, key.shape[1], heads // key.shape[1] * length, dim)
+    learned_bias = attn_mask is not None and attn_mask.requires_grad  # T5's relative position bias
     output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
+        query, key, value, 0.0, is_causal, attn_mask=attn_mask.detach() if learned_bias else attn_mask, scale=scale
     )
-    return output.reshape(batch, heads, length, dim)
+    output = output.reshape(batch, heads, length, dim)
+    if learned_bias:
+        # CUDA's memory-efficient kernel returns the bias's gradient, the bias's size, in backward;
+        # the CPU flash kernel has none, so a zero term routes a gradient of that size to the bias.
+        output = output + attn_mask.sum() * 0
+    return output
 
 
 LOSS_PATHS = ("chunked", "logits", "model")

@@ -65,7 +65,7 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_output_loss_and_profile_benchmarks_run_quick(tmp_path):
+def test_output_loss_profile_and_packing_benchmarks_run_quick(tmp_path):
     run_script("bench_output_loss.py", "--quick", "--output", str(tmp_path / "output_loss.json"))
     results = json.loads((tmp_path / "output_loss.json").read_text())
     assert {row["micro"] for row in results["memory"]} == {1, 2}
@@ -75,6 +75,9 @@ def test_output_loss_and_profile_benchmarks_run_quick(tmp_path):
     assert set(profile) == {"quick", "plain", "recipe, logits", "recipe"}
     # The recipe adds at most one host synchronisation per update (the window's all-reduce), none per micro-batch.
     assert profile["recipe"]["host_syncs_per_update"] <= profile["plain"]["host_syncs_per_update"] + 1
+    run_script("bench_packing.py", "--quick", "--output", str(tmp_path / "packing.json"))
+    packing = json.loads((tmp_path / "packing.json").read_text())
+    assert all(rate > 0 for rate in packing["median_assistant_tokens_per_second"].values())
 
 
 @pytest.mark.launch

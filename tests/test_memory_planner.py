@@ -223,3 +223,16 @@ def test_gpu_memory_parsing():
     assert mp.parse_memory("12GiB") == 12 and mp.parse_memory("11.5 GB") == 11.5 and mp.parse_memory("24") == 24
     with pytest.raises(ConfigError, match="is not a size"):
         mp.parse_memory("twelve")
+
+
+def test_fused_attention_traces_t5s_learned_position_bias_and_keeps_less_than_math():
+    """T5 passes its relative position bias to SDPA as a mask that needs a gradient; the fused
+    stand-in must trace it (CUDA's memory-efficient kernel returns that gradient) and keep no scores."""
+    from transformers import T5Config
+
+    config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    settings = {"task": "seq2seq", "micro_batch_size": 2, "seq_len": 128}
+    fused = mp.trace_phases(config, attention="fused", **settings)[0].activations_gradients_temporaries
+    math = mp.trace_phases(config, attention="math", **settings)[0].activations_gradients_temporaries
+    scores = 2 * 4 * 128 * 128 * 4  # one layer's T × T scores, fp32
+    assert fused < math - scores, (fused, math)
