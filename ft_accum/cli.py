@@ -32,6 +32,9 @@ def plan_command(args: argparse.Namespace) -> int:
         lora_target_modules=args.lora_target_modules,
         attention=args.attention,
         loss_path="logits" if args.no_chunked_loss else "chunked",
+        load_in_4bit=args.load_in_4bit,
+        offload_activations=args.offload_activations,
+        host_memory_gib=memory_planner.parse_memory(args.host_memory) if args.offload_activations else None,
     )
     result["seconds"] = round(time.perf_counter() - started, 1)
     if args.json:
@@ -61,6 +64,8 @@ def format_plan(result: dict) -> str:
         f"{result['model']} · {result['task']} · {result['seq_len']} tokens · effective batch {result['effective_batch_size']} "
         f"· {result['precision']} · {result['optimizer']}"
         + (f" · LoRA r={result['lora_r']}" if result["lora_r"] else "")
+        + (" · 4-bit base" if result.get("load_in_4bit") else "")
+        + (" · activations offloaded" if result.get("offload_activations") else "")
         + f" · card {result['gpu_memory_gib']:g} GiB (fits: {result['margin']})",
         f"assumes the recipes' step: {result['loss_path']} loss, fused AdamW, "
         + {
@@ -68,13 +73,15 @@ def format_plan(result: dict) -> str:
             "math": "T×T attention scores (math/eager)",
         }[result["attention"]],
         "",
-        f"{'micro':>5} {'accum':>5} {'ckpt':>4} {'peak GiB':>9} {'weights+opt':>11} {'fits':>4} {'rel. speed':>10}",
+        f"{'micro':>5} {'accum':>5} {'ckpt':>4} {'peak GiB':>9} {'weights+opt':>11} {'fits':>4} {'rel. speed':>10}"
+        + (f" {'host GiB':>8}" if result.get("offload_activations") else ""),
     ]
     for r in result["candidates"]:
         b = r["breakdown_gib"]
         lines.append(
             f"{r['per_device_train_batch_size']:>5} {r['gradient_accumulation_steps']:>5} {'on' if r['gradient_checkpointing'] else 'off':>4} "
             f"{r['peak_gib']:>9.2f} {b['parameters'] + b['optimizer_state']:>11.2f} {'yes' if r['fits'] else 'no':>4} {r['relative_throughput']:>10.2f}"
+            + (f" {r['host_gib']:>8.2f}" if result.get("offload_activations") else "")
         )
     best = result["recommended"]
     lines.append("")
@@ -145,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--no_chunked_loss", action="store_true", help="plan the recipe's --no_chunked_loss (full logits) path"
     )
+    plan.add_argument(
+        "--load_in_4bit",
+        action="store_true",
+        help="QLoRA: frozen linear weights in NF4 (double quantized); needs --lora_r",
+    )
+    plan.add_argument(
+        "--offload_activations", action="store_true", help="saved activations in host memory (reported as host GiB)"
+    )
+    plan.add_argument("--host_memory", default="32GiB", help="host RAM, for --offload_activations (80%% usable)")
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     plan.set_defaults(handler=plan_command)
 

@@ -44,7 +44,13 @@ GIB = 2**30
 CUDA_OVERHEAD_GIB = 0.6  # CUDA context + cuBLAS workspace, measured as 0.4–0.6 GiB on recent drivers
 FRAGMENTATION = 1.10  # the caching allocator reserves ~5–15% more than it hands out under training churn
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
-OPTIMIZERS = ("adamw", "sgd", "adamw_8bit")
+OPTIMIZERS = ("adamw", "sgd", "adamw_8bit", "adamw_4bit")
+# Bytes per parameter of the low-bit AdamW states (two moments each): 8-bit, block 256 with an fp32
+# scale per block (bitsandbytes); 4-bit, block 128 with an fp32 scale per block (torchao).
+LOW_BIT_STATE_BYTES = {"adamw_8bit": 2 * (1 + 4 / 256), "adamw_4bit": 2 * (0.5 + 4 / 128)}
+# NF4 with double quantization (QLoRA, Dettmers et al. 2023, §3): 4 bits per weight, an 8-bit
+# absmax per 64 weights, and an fp32 constant per 256 of those absmaxes.
+NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
 TASKS = ("causal_lm", "text_classification", "token_classification", "seq2seq")
 SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 CATEGORIES = ("parameters", "optimizer_state", "activations_gradients_temporaries")
@@ -57,6 +63,7 @@ class MemoryEstimate:
     parameters: float  # and buffers
     optimizer_state: float
     activations_gradients_temporaries: float
+    host_offloaded: float = 0.0  # --offload_activations: saved activations in host memory (not in `peak`)
 
     @property
     def peak(self) -> float:
@@ -257,6 +264,40 @@ def training_step(model, batch: dict, task: str, loss: str = "chunked") -> torch
     return loss_sum / batch["labels"].numel()
 
 
+def quantized_weights(model) -> list[torch.Tensor]:
+    """The weights a BitsAndBytesConfig(load_in_4bit=True) quantizes: every frozen nn.Linear's, except the output layer's."""
+    output = model.get_output_embeddings()
+    return [
+        m.weight
+        for m in model.modules()
+        if type(m) is torch.nn.Linear and m is not output and not m.weight.requires_grad
+    ]
+
+
+def offload_hooks(tracker):
+    """saved_tensors_hooks that move every saved activation of 1024+ elements (not a parameter) to
+    host memory: its GPU bytes are freed when the forward drops it, counted in `tracker.host_peak`,
+    and allocated again when the backward unpacks it."""
+    tracker.host = tracker.host_peak = 0
+
+    def pack(tensor):
+        if isinstance(tensor, torch.nn.Parameter) or tensor.numel() < 1024:
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        tracker.host += nbytes
+        tracker.host_peak = max(tracker.host_peak, tracker.host)
+        return (tensor.shape, tensor.stride(), tensor.dtype, nbytes)
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        shape, stride, dtype, nbytes = packed
+        tracker.host -= nbytes
+        return torch.empty_strided(shape, stride, dtype=dtype)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def trace_step(config, **settings) -> MemoryEstimate:
     """The peak of one steady-state training step: the larger of its two phases (see trace_phases)."""
     return max(trace_phases(config, **settings), key=lambda e: e.peak)
@@ -280,6 +321,8 @@ def trace_micro_batches(
     gradient_checkpointing: bool = False,
     loss_path: str = "chunked",
     attention: str = "fused",
+    load_in_4bit: bool = False,
+    offload_activations: bool = False,
     real_tensors: bool = False,
     accounting: dict | None = None,
 ) -> dict[int, tuple[MemoryEstimate, MemoryEstimate]]:
@@ -291,6 +334,14 @@ def trace_micro_batches(
     attention do. `real_tensors=True` runs the same step on real CPU tensors (small models only), to
     validate the fake trace. `accounting`, if given, receives the live bytes right after backward
     and the parameter, gradient and optimizer-state bytes, for the accounting test.
+
+    `load_in_4bit` (QLoRA, with `lora_r`): the frozen linear layers' weights are counted as NF4
+    (`NF4_BYTES_PER_PARAMETER`), the embeddings and the output layer stay bf16, and the largest
+    weight dequantized to bf16 (what a 4-bit matmul materialises) is added to the temporaries.
+    `offload_activations`: every saved activation (not the weights) goes to host memory in the
+    forward and comes back in the backward (`saved_tensors_hooks`, as torchtune's activation
+    offloading and `torch.autograd.graph.save_on_cpu` do); its bytes are reported as
+    `host_offloaded`, and the GPU peak counts them only while backward uses them.
     """
     FakeTensorMode, _ = torch_internals()
     if precision not in PRECISIONS:
@@ -301,9 +352,13 @@ def trace_micro_batches(
         raise ConfigError(f"--loss_path must be one of {', '.join(LOSS_PATHS)}, got {loss_path!r}")
     if attention not in ATTENTION:
         raise ConfigError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    if load_in_4bit and not lora_r:
+        raise ConfigError(
+            "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --lora_r 16"
+        )
     torch.manual_seed(0)
     with contextlib.nullcontext() if real_tensors else FakeTensorMode():
-        model = build_model(config, task, torch.bfloat16 if precision == "bf16" else torch.float32)
+        model = build_model(config, task, torch.bfloat16 if precision == "bf16" or load_in_4bit else torch.float32)
         if gradient_checkpointing:
             if hasattr(model.config, "use_cache"):
                 model.config.use_cache = False
@@ -336,9 +391,11 @@ def trace_micro_batches(
             if precision.endswith("-mixed")
             else contextlib.nullcontext()
         )
-        extra_state = 0.0
-        if optimizer == "adamw_8bit":  # two 1-byte states per parameter, plus an fp32 scale per 256-element block
-            extra_state = sum(p.numel() * (2 + 8 / 256) for p in trainable)
+        # Low-bit AdamW states are counted, not traced: their kernels do not run on fake tensors.
+        extra_state = sum(p.numel() for p in trainable) * LOW_BIT_STATE_BYTES.get(optimizer, 0.0)
+        quantized = quantized_weights(model) if load_in_4bit else []
+        quantization_saving = sum(w.numel() * (w.element_size() - NF4_BYTES_PER_PARAMETER) for w in quantized)
+        dequantized = max((w.numel() * 2 for w in quantized), default=0)
         results = {}
         for micro_batch_size in micro_batch_sizes:
             batch = example_batch(config, task, micro_batch_size, seq_len)
@@ -355,8 +412,9 @@ def trace_micro_batches(
                 if attention == "fused"
                 else contextlib.nullcontext()
             )
+            offload = offload_hooks(tracker) if offload_activations else contextlib.nullcontext()
             with tracker, kernels:  # backward too: checkpointing recomputes attention there
-                with autocast:
+                with autocast, offload:
                     loss = training_step(model, batch, task, loss_path)
                 loss.float().backward()
                 del loss
@@ -376,11 +434,12 @@ def trace_micro_batches(
                 opt.zero_grad(set_to_none=True)
             results[micro_batch_size] = tuple(
                 MemoryEstimate(
-                    parameters=parameter_bytes,
+                    parameters=parameter_bytes - quantization_saving,
                     optimizer_state=static - parameter_bytes + extra_state,
-                    activations_gradients_temporaries=peak - static,
+                    activations_gradients_temporaries=peak - static + (dequantized if phase == 0 else 0),
+                    host_offloaded=getattr(tracker, "host_peak", 0.0),
                 )
-                for peak, static in ((backward_peak, backward_static), (step_peak, step_static))
+                for phase, (peak, static) in enumerate(((backward_peak, backward_static), (step_peak, step_static)))
             )
     return results
 
@@ -429,7 +488,10 @@ def predict_micro_batches(config, micro_batch_sizes: list[int], **settings) -> d
         high = min(t for t in traced_sizes if t > m)
         w = (m - low) / (high - low)
         backward = MemoryEstimate(
-            **{c: (1 - w) * getattr(traced[low][0], c) + w * getattr(traced[high][0], c) for c in CATEGORIES}
+            **{
+                c: (1 - w) * getattr(traced[low][0], c) + w * getattr(traced[high][0], c)
+                for c in (*CATEGORIES, "host_offloaded")
+            }
         )
         predicted[m] = max(backward, traced[low][1], key=lambda e: e.peak)
     return predicted
@@ -478,10 +540,16 @@ def plan(
     lora_target_modules: str = "all-linear",
     attention: str = "fused",
     loss_path: str = "chunked",
+    load_in_4bit: bool = False,
+    offload_activations: bool = False,
+    host_memory_gib: float | None = None,
 ) -> dict[str, Any]:
     """Every exact split of the effective batch, with and without checkpointing: predicted peak, fit, speed.
 
-    The recommendation is the fastest candidate that fits (ties go to the larger micro-batch).
+    The recommendation is the fastest candidate that fits (ties go to the larger micro-batch). With
+    `offload_activations`, a candidate fits only if its offloaded bytes also stay within 80% of
+    `host_memory_gib` (the rest is the OS, the data and Python). The speed heuristic does not
+    count offloading's transfers.
     """
     config = load_model_config(model)
     # The recipes refuse a sequence longer than the model's positions; so must the plan (issue 19).
@@ -496,6 +564,8 @@ def plan(
         "lora_target_modules": lora_target_modules,
         "attention": attention,
         "loss_path": loss_path,
+        "load_in_4bit": load_in_4bit,
+        "offload_activations": offload_activations,
     }
     smallest = trace_step(config, micro_batch_size=micros[0], **settings)
     static = smallest.parameters + smallest.optimizer_state
@@ -504,12 +574,12 @@ def plan(
             *(["--lora_r 16"] if not lora_r else []),
             *(["--optimizer adamw_8bit or sgd"] if optimizer == "adamw" else []),
             *(["--precision bf16 (weights in bf16)"] if precision != "bf16" else []),
+            *(["--load_in_4bit (with --lora_r)"] if not load_in_4bit else []),
             "a smaller model",
         ]
         raise ConfigError(
             f"the weights and optimizer state alone need {static / GIB:.1f} GiB, more than a {gpu_memory_gib:g} GiB card holds "
-            f"with its margin ({FRAGMENTATION}× + {CUDA_OVERHEAD_GIB} GiB); try {', '.join(options)} "
-            "(4-bit quantized base weights, QLoRA, are not modelled)"
+            f"with its margin ({FRAGMENTATION}× + {CUDA_OVERHEAD_GIB} GiB); try {', '.join(options)}"
         )
     rows = []
     for checkpointing in (False, True):
@@ -522,8 +592,10 @@ def plan(
                     "gradient_accumulation_steps": effective_batch_size // (micro * num_processes),
                     "gradient_checkpointing": checkpointing,
                     "peak_gib": estimate.peak / GIB,
-                    "fits": fits(estimate.peak, gpu_memory_gib * GIB),
+                    "fits": fits(estimate.peak, gpu_memory_gib * GIB)
+                    and (host_memory_gib is None or estimate.host_offloaded <= 0.8 * host_memory_gib * GIB),
                     "relative_throughput": relative_throughput(micro, seq_len, checkpointing),
+                    "host_gib": estimate.host_offloaded / GIB,
                     "breakdown_gib": estimate.as_gib(),
                 }
             )
@@ -545,6 +617,8 @@ def plan(
         "lora_r": lora_r,
         "attention": attention,
         "loss_path": loss_path,
+        "load_in_4bit": load_in_4bit,
+        "offload_activations": offload_activations,
         "gpu_memory_gib": gpu_memory_gib,
         "margin": f"peak × {FRAGMENTATION} + {CUDA_OVERHEAD_GIB} GiB ≤ card",
         "candidates": rows,

@@ -236,3 +236,54 @@ def test_fused_attention_traces_t5s_learned_position_bias_and_keeps_less_than_ma
     math = mp.trace_phases(config, attention="math", **settings)[0].activations_gradients_temporaries
     scores = 2 * 4 * 128 * 128 * 4  # one layer's T × T scores, fp32
     assert fused < math - scores, (fused, math)
+
+
+def test_4bit_base_counts_nf4_bytes_for_the_frozen_linear_layers_only():
+    """QLoRA (issue 17): every frozen nn.Linear but the output layer in NF4 with double quantization,
+    embeddings and head in bf16; the largest dequantized weight joins the temporaries."""
+    config = tiny_llama()
+    settings = {"task": "causal_lm", "micro_batch_size": 2, "seq_len": 64, "precision": "bf16", "lora_r": 4}
+    bf16 = mp.trace_phases(config, **settings)[0]
+    nf4 = mp.trace_phases(config, load_in_4bit=True, **settings)[0]
+    model = mp.build_model(config, "causal_lm", torch.bfloat16)
+    linear = [m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear and m is not model.lm_head]
+    saving = sum(n * (2 - mp.NF4_BYTES_PER_PARAMETER) for n in linear)
+    assert nf4.parameters == pytest.approx(bf16.parameters - saving)
+    assert nf4.activations_gradients_temporaries == pytest.approx(
+        bf16.activations_gradients_temporaries + 2 * max(linear)
+    )
+    assert mp.NF4_BYTES_PER_PARAMETER == pytest.approx(0.516, abs=1e-3)
+    with pytest.raises(ConfigError, match="only LoRA adapters can train"):
+        mp.trace_step(config, task="causal_lm", micro_batch_size=1, seq_len=8, load_in_4bit=True)
+
+
+def test_offloaded_activations_leave_the_gpu_peak_and_are_reported_as_host_bytes():
+    config, settings = tiny_llama(4), {"task": "causal_lm", "micro_batch_size": 8, "seq_len": 128}
+    kept = mp.trace_phases(config, **settings)[0]
+    offloaded = mp.trace_phases(config, offload_activations=True, **settings)[0]
+    saved = kept.activations_gradients_temporaries - offloaded.activations_gradients_temporaries
+    assert saved > 0.5 * kept.activations_gradients_temporaries, (saved, kept)
+    assert offloaded.host_offloaded >= saved and kept.host_offloaded == 0
+
+
+def test_low_bit_adamw_states_are_counted_per_parameter():
+    config, settings = tiny_llama(), {"task": "causal_lm", "micro_batch_size": 1, "seq_len": 16}
+    trainable = sum(p.numel() for p in mp.build_model(config, "causal_lm").parameters())
+    for name, per_parameter in (("adamw_8bit", 2 * (1 + 4 / 256)), ("adamw_4bit", 2 * (0.5 + 4 / 128))):
+        state = mp.trace_phases(config, optimizer=name, **settings)[0].optimizer_state
+        assert state == pytest.approx(trainable * per_parameter), name
+
+
+@pytest.mark.launch  # two traces of an 8B and a 1.5B config: ~1.5 min on 2 cores
+def test_qlora_8b_and_low_memory_full_fine_tuning_of_1_5b_are_planned_to_fit_12_gib():
+    qlora = mp.plan(
+        "llama-3.1-8b", task="causal_lm", seq_len=1024, effective_batch_size=32, gpu_memory_gib=12,
+        precision="bf16", lora_r=16, load_in_4bit=True,
+    )  # fmt: skip
+    assert qlora["recommended"] and qlora["recommended"]["fits"]
+    full = mp.plan(
+        "qwen2.5-1.5b", task="causal_lm", seq_len=1024, effective_batch_size=32, gpu_memory_gib=12,
+        precision="bf16", optimizer="adamw_8bit", offload_activations=True, host_memory_gib=32,
+    )  # fmt: skip
+    best = full["recommended"]
+    assert best and best["fits"] and best["host_gib"] <= 0.8 * 32
