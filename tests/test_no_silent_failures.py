@@ -30,7 +30,8 @@ RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 FREE_TEXT = {"model_name_or_path", "dataset_name", "dataset_config_name", "train_file", "validation_file", "train_dir",
              "validation_dir", "text_column", "label_column", "tokens_column", "source_column", "target_column",
              "image_column", "source_prefix", "generate_prompt", "output_dir", "resume_from_checkpoint",
-             "lora_target_modules", "accumulation_schedule"}  # fmt: skip
+             "lora_target_modules", "accumulation_schedule", "messages_column", "prompt_column", "completion_column",
+             "chat_template"}  # fmt: skip
 
 
 def base_type(hint):
