@@ -147,16 +147,14 @@ def random_model_dir(config, task: str, path: Path) -> Path:
 
 def recipe_run(recipe: str, args: list[str], mixed_precision: str) -> tuple[dict, float, list[dict]]:
     """(all_results, peak GiB, metrics records) of one in-process run of the recipe, its peak its own."""
-    from ft_accum.testing import read_metrics, run_in_process
+    from ft_accum.benchmarking import run_recipe as run_in_process_with_metrics
 
     os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    with tempfile.TemporaryDirectory() as out:
-        results = run_in_process(recipe, [*args, f"--output_dir={out}", "--report_to=none", "--seed=42"])
-        records = read_metrics(Path(out))
+    results, records = run_in_process_with_metrics(recipe, [*args, "--seed=42"], in_process=True)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     return results, peak, records
 
@@ -380,14 +378,14 @@ def sync_now() -> float:
 
 
 def run_plain(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
-    from transformers import AutoModelForCausalLM, get_scheduler
+    from transformers import AutoModelForCausalLM, default_data_collator, get_scheduler
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(42)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
-    loader = torch.utils.data.DataLoader(rows, batch_size=micro, shuffle=True, collate_fn=default_collate)
+    loader = torch.utils.data.DataLoader(rows, batch_size=micro, shuffle=True, collate_fn=default_data_collator)
     model.train()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -408,7 +406,7 @@ def run_plain(model_dir, rows, micro, accumulation, updates) -> tuple[float, flo
 
 
 def run_trainer(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
     from ft_accum.testing import reset_accelerate_state
 
@@ -432,7 +430,9 @@ def run_trainer(model_dir, rows, micro, accumulation, updates) -> tuple[float, f
             save_strategy="no", logging_strategy="no", bf16=torch.cuda.is_available(),
             use_cpu=not torch.cuda.is_available(), disable_tqdm=True, optim="adamw_torch_fused", seed=42,
         )  # fmt: skip
-        Trainer(model=model, args=args, train_dataset=rows, data_collator=default_collate, callbacks=[Clock()]).train()
+        Trainer(
+            model=model, args=args, train_dataset=rows, data_collator=default_data_collator, callbacks=[Clock()]
+        ).train()
     reset_accelerate_state()
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     return timed_rates(stamps, micro * accumulation), peak
@@ -447,10 +447,6 @@ def run_recipe(model_dir, rows, micro, accumulation, updates, compile_blocks=Fal
 
 def run_recipe_compiled(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
     return run_recipe(model_dir, rows, micro, accumulation, updates, compile_blocks=True)
-
-
-def default_collate(rows):
-    return {k: torch.tensor([r[k] for r in rows]) for k in rows[0]}
 
 
 def check_throughput(models: Path, dry_run: bool) -> list[dict]:

@@ -251,15 +251,7 @@ def read_yaml_config(path: str | Path, *config_classes: type) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path} does not exist; pass a YAML file such as recipes/configs/<recipe>.yaml")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(
-            f"--config {path} is not valid YAML{line}: {problem}; write one 'setting: value' per line"
-        ) from None
+    values = read_yaml(path, "--config ")
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path} must hold a mapping of setting: value, got {type(values).__name__}")
     fields = {f.name for cls in config_classes for f in dataclasses.fields(cls)}

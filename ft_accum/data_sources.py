@@ -254,6 +254,7 @@ def seeded_dataloaders(
     per_device_train_batch_size: int,
     per_device_eval_batch_size: int,
     seed: int,
+    eval_collate_fn=None,
 ):
     """(train, eval) DataLoaders, shuffled train, each with a torch.Generator of its own.
 
@@ -265,7 +266,7 @@ def seeded_dataloaders(
 
     evaluation = DataLoader(
         tokenized["validation"],
-        collate_fn=collate_fn,
+        collate_fn=eval_collate_fn or collate_fn,
         batch_size=per_device_eval_batch_size,
         generator=torch.Generator().manual_seed(seed),
     )

@@ -43,3 +43,13 @@ def describe_trainable(model, task_args) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     lora_rank = f" (LoRA r={task_args.lora_r})" if task_args.use_lora else ""
     return f"{trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters{lora_rank}"
+
+
+def save_merged(task_args, accelerator, model, tokenizer, output_dir) -> dict:
+    """--merge_lora: the base with the adapter merged into final_merged/ (nothing without LoRA)."""
+    if task_args.use_lora and task_args.merge_lora:
+        from ft_accum.run_outputs import save_final
+
+        merged = accelerator.unwrap_model(model).merge_and_unload()
+        save_final(accelerator, merged, tokenizer, output_dir, name="final_merged")
+    return {}

@@ -130,7 +130,9 @@ class OutputLoss:
     says which path is used and why, for the banner. The memory planner traces this same call.
     """
 
-    def __init__(self, unwrapped_model, *, shift: bool, accelerator=None, enabled: bool = True):
+    def __init__(
+        self, unwrapped_model, *, shift: bool, accelerator=None, enabled: bool = True, check_logits: bool = True
+    ):
         self.shift = shift
         self.layer = unwrapped_model.get_output_embeddings()
         self.hidden: torch.Tensor | None = None
@@ -144,7 +146,7 @@ class OutputLoss:
         )  # fmt: skip
         self.chunked = reason is None
         self.path = "chunked (no full logits)" if self.chunked else f"full logits ({reason})"
-        self.checked = not self.chunked  # the one-off check against the logits is still to run
+        self.checked = not (self.chunked and check_logits)  # the one-off check against the logits is still to run
 
     def _keep_input(self, module, args):
         self.hidden = args[0]

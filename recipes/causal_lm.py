@@ -200,9 +200,7 @@ def training_step(model, batch, output_loss):
 
 def save_extras(task, accelerator, model, tokenizer, output_dir):
     """--merge_lora: the base with the adapter merged into final_merged/; --generate_prompt: a greedy sample."""
-    if task.use_lora and task.merge_lora:
-        merged = accelerator.unwrap_model(model).merge_and_unload()
-        run_outputs.save_final(accelerator, merged, tokenizer, output_dir, name="final_merged")
+    lora.save_merged(task, accelerator, model, tokenizer, output_dir)
     if not (task.generate_prompt and accelerator.is_main_process):
         return {}
     inputs = tokenizer(task.generate_prompt, return_tensors="pt").to(accelerator.device)

@@ -122,8 +122,8 @@ def load_conversations(task, args):
         columns = {"prompt_column": task.prompt_column, "completion_column": task.completion_column}
     else:
         raise ConfigError(
-            f"the train split has no {task.messages_column!r} column (--messages_column) and no {task.prompt_column!r} "
-            f"(--prompt_column, with --completion_column); its columns are {', '.join(present)}"
+            f"the train split has no {task.messages_column!r} column (--messages_column) and no "
+            f"{task.prompt_column!r} (--prompt_column, with --completion_column); its columns are {', '.join(present)}"
         )
     raw = data_sources.check_columns(raw, **columns)
     raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
@@ -147,15 +147,15 @@ def build_dataloaders(task, args, accelerator, conversations, tokenizer):
     train_rows = tokenized["train"].rows
     if task.packing:
         train_rows = chat_data.pack_chats(train_rows, task.max_seq_length)
+    # The eval rows are never packed: the per-conversation loss needs one conversation per row.
     train_dataloader, eval_dataloader = data_sources.seeded_dataloaders(
         {"train": train_rows, "validation": tokenized["validation"].rows},
         chat_data.collate_chats(tokenizer.pad_token_id, task.packing),
         args.per_device_train_batch_size,
         args.per_device_eval_batch_size,
         args.seed,
+        eval_collate_fn=chat_data.collate_chats(tokenizer.pad_token_id, packed=False),
     )
-    # The eval rows are never packed: the per-conversation loss needs one conversation per row.
-    eval_dataloader.collate_fn = chat_data.collate_chats(tokenizer.pad_token_id, packed=False)
     return train_dataloader, eval_dataloader, tokenized
 
 
@@ -248,9 +248,8 @@ def train(task, args):
     tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
     eval_conversations = conversations["validation"]
     initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations)
-    accelerator.print(
-        f"before training: eval_loss {initial_eval['eval_loss']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
-    )
+    before = f"eval_loss {initial_eval['eval_loss']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
+    accelerator.print(f"before training: {before}")
     nominal_tokens = plan.micro * task.max_seq_length  # any constant works; this one keeps losses O(1)
     eval_metrics = initial_eval
     model.train()
@@ -297,16 +296,8 @@ def train(task, args):
         "truncated_train_conversations": train_chats.truncated,
         "dropped_train_conversations": train_chats.dropped,
     }
-    extras = lambda: save_merged(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
+    extras = lambda: lora.save_merged(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
     return tracker.finish(model, tokenizer, plan, extras, **eval_metrics, **initial, **counts)
-
-
-def save_merged(task, accelerator, model, tokenizer, output_dir):
-    """--merge_lora: the base with the adapter merged, into final_merged/."""
-    if task.use_lora and task.merge_lora:
-        merged = accelerator.unwrap_model(model).merge_and_unload()
-        run_outputs.save_final(accelerator, merged, tokenizer, output_dir, name="final_merged")
-    return {}
 
 
 def main(argv=None):
