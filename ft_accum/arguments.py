@@ -31,6 +31,7 @@ from ft_accum.errors import ConfigError, one_line_errors
 from ft_accum.lr_scaling import POLICIES, scale_learning_rate
 
 T = TypeVar("T")
+OPTIMIZERS = ("adamw_torch", "adamw_8bit", "sgd")
 
 
 @dataclass
@@ -54,7 +55,13 @@ class TrainingArguments:
     lr_scaling: str = field(
         default="auto", metadata={"help": f"How the LR follows the effective batch: {', '.join(POLICIES)}."}
     )
-    optim: str = field(default="adamw_torch", metadata={"help": "adamw_torch (fused) or sgd (momentum 0.9)."})
+    optim: str = field(
+        default="adamw_torch",
+        metadata={
+            "help": "adamw_torch (fused), adamw_8bit (bitsandbytes' 8-bit AdamW states: 2 bytes per parameter instead "
+            "of 8; needs the [lowmem] extra) or sgd (momentum 0.9)."
+        },
+    )
     lr_scheduler_type: str = field(
         default="linear", metadata={"help": "Any transformers scheduler name; its length is in optimizer updates."}
     )
@@ -78,6 +85,13 @@ class TrainingArguments:
             "help": "Dtype of the trained weights and so of their gradients and AdamW state. float32 (default) keeps "
             "fp32 master weights even for a bf16 checkpoint; bfloat16 halves that memory but loses every update "
             "smaller than 1/256 of a weight. A LoRA base is frozen in the mixed-precision dtype either way."
+        },
+    )
+    offload_activations: bool = field(
+        default=False,
+        metadata={
+            "help": "Move what the forward saves for backward (with --gradient_checkpointing: each block's input) "
+            "to pinned host memory and back in backward: GPU memory for PCIe transfers. GPU only."
         },
     )
     torch_compile: bool = field(
@@ -156,8 +170,8 @@ class TrainingArguments:
         require_at_least(self, 0, "weight_decay", "max_grad_norm")
         if self.model_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"--model_dtype must be float32 or bfloat16, got {self.model_dtype!r}")
-        if self.optim not in ("adamw_torch", "sgd"):
-            raise ConfigError(f"--optim must be adamw_torch or sgd, got {self.optim!r}")
+        if self.optim not in OPTIMIZERS:
+            raise ConfigError(f"--optim must be one of {', '.join(OPTIMIZERS)}, got {self.optim!r}")
         schedulers = [s.value for s in SchedulerType]
         if self.lr_scheduler_type not in schedulers:
             raise ConfigError(

@@ -49,11 +49,19 @@ def cast_and_compile(model, args, mixed_precision: str = "no", frozen_base: bool
     PyTorch's regional compilation, which compiles one block and reuses it for the others, keeps
     the parameter names (checkpoints unchanged) and leaves the output layer to `OutputLoss`'s hook.
     A model that names no blocks is compiled whole.
+
+    A model loaded in 4 bits (--load_in_4bit) is not cast: it gets peft's k-bit preparation instead
+    (low_memory.prepare_4bit_model).
     """
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.model_dtype]
     if frozen_base and mixed_precision in ("bf16", "fp16"):
         dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
-    model = model.to(dtype)
+    if getattr(model, "is_loaded_in_4bit", False):  # --load_in_4bit: the weights are NF4, not castable
+        from ft_accum.low_memory import prepare_4bit_model
+
+        model = prepare_4bit_model(model, mixed_precision)
+    else:
+        model = model.to(dtype)
     if args.torch_compile:
         block_names = set(getattr(model, "_no_split_modules", None) or [])
         blocks = [module for module in model.modules() if type(module).__name__ in block_names]
@@ -74,7 +82,8 @@ def describe_dtypes(model, optimizer, mixed_precision: str) -> str:
     compute = {"bf16": "bfloat16 (autocast)", "fp16": "float16 (autocast)"}.get(mixed_precision, names(trained))
     # AdamW allocates its state at the first step, in the dtype of the weights it updates.
     line = f"weights {names(trained)}{f', frozen {names(frozen)}' if frozen else ''}; compute {compute}; "
-    line += f"optimizer state {names(state) if state else names(trained)}"
+    low_bit = "8bit" in type(getattr(optimizer, "optimizer", optimizer)).__name__  # bitsandbytes' AdamW8bit
+    line += f"optimizer state {names(state) if state else 'float32/uint8' if low_bit else names(trained)}"
     if any(p.dtype == torch.bfloat16 for p in trained):
         line += " (pure bf16: updates below 1/256 of a weight are lost)"
     return line

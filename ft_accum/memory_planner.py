@@ -48,6 +48,8 @@ OPTIMIZERS = ("adamw", "sgd", "adamw_8bit", "adamw_4bit")
 # Bytes per parameter of the low-bit AdamW states (two moments each): 8-bit, block 256 with an fp32
 # scale per block (bitsandbytes); 4-bit, block 128 with an fp32 scale per block (torchao).
 LOW_BIT_STATE_BYTES = {"adamw_8bit": 2 * (1 + 4 / 256), "adamw_4bit": 2 * (0.5 + 4 / 128)}
+# bitsandbytes keeps 32-bit states (8 bytes per parameter) for tensors under 4,096 elements.
+LOW_BIT_MIN_ELEMENTS = 4096
 # NF4 with double quantization (QLoRA, Dettmers et al. 2023, §3): 4 bits per weight, an 8-bit
 # absmax per 64 weights, and an fp32 constant per 256 of those absmaxes.
 NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
@@ -264,6 +266,13 @@ def training_step(model, batch: dict, task: str, loss: str = "chunked") -> torch
     return loss_sum / batch["labels"].numel()
 
 
+def low_bit_state_bytes(numel: int, optimizer: str) -> float:
+    """Bytes of a low-bit AdamW's two moments for one tensor (0 for the optimizers the trace runs)."""
+    if optimizer not in LOW_BIT_STATE_BYTES:
+        return 0.0
+    return numel * (LOW_BIT_STATE_BYTES[optimizer] if numel >= LOW_BIT_MIN_ELEMENTS else 8.0)
+
+
 def quantized_weights(model) -> list[torch.Tensor]:
     """The weights a BitsAndBytesConfig(load_in_4bit=True) quantizes: every frozen nn.Linear's, except the output layer's."""
     output = model.get_output_embeddings()
@@ -275,13 +284,15 @@ def quantized_weights(model) -> list[torch.Tensor]:
 
 
 def offload_hooks(tracker):
-    """saved_tensors_hooks that move every saved activation of 1024+ elements (not a parameter) to
+    """saved_tensors_hooks that move every saved activation the recipes offload (`low_memory.offloads`) to
     host memory: its GPU bytes are freed when the forward drops it, counted in `tracker.host_peak`,
     and allocated again when the backward unpacks it."""
     tracker.host = tracker.host_peak = 0
 
+    from ft_accum.low_memory import offloads
+
     def pack(tensor):
-        if isinstance(tensor, torch.nn.Parameter) or tensor.numel() < 1024:
+        if not offloads(tensor):  # the recipes' own rule (low_memory.offload_activations)
             return tensor
         nbytes = tensor.numel() * tensor.element_size()
         tracker.host += nbytes
@@ -392,7 +403,7 @@ def trace_micro_batches(
             else contextlib.nullcontext()
         )
         # Low-bit AdamW states are counted, not traced: their kernels do not run on fake tensors.
-        extra_state = sum(p.numel() for p in trainable) * LOW_BIT_STATE_BYTES.get(optimizer, 0.0)
+        extra_state = sum(low_bit_state_bytes(p.numel(), optimizer) for p in trainable)
         quantized = quantized_weights(model) if load_in_4bit else []
         quantization_saving = sum(w.numel() * (w.element_size() - NF4_BYTES_PER_PARAMETER) for w in quantized)
         dequantized = max((w.numel() * 2 for w in quantized), default=0)

@@ -173,22 +173,29 @@ def save_final(accelerator, model, tokenizer, output_dir: Path, name: str = "fin
     from all of them (FSDP, DeepSpeed) before the main process writes.
     """
     accelerator.wait_for_everyone()
-    tmp, final = Path(output_dir) / f".tmp-{name}", Path(output_dir) / name
     check_finite_parameters(accelerator.unwrap_model(model), f"{name}/")
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise ConfigError(
-                f"could not write {final} ({exc.strerror or exc}); free disk space, then resume with --resume_from_checkpoint latest"
-            ) from exc
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        write_pretrained(accelerator.unwrap_model(model), tokenizer, output_dir, name, state_dict)
     accelerator.wait_for_everyone()
+    return Path(output_dir) / name
+
+
+def write_pretrained(model, tokenizer, output_dir: Path, name: str, state_dict: dict | None = None) -> Path:
+    """`save_pretrained` of model and tokenizer into output_dir/name, whole or not at all: written to
+    a temporary folder first, then renamed into place (one process only)."""
+    tmp, final = Path(output_dir) / f".tmp-{name}", Path(output_dir) / name
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(
+            f"could not write {final} ({exc.strerror or exc}); free disk space, then resume with --resume_from_checkpoint latest"
+        ) from exc
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
     return final
 
 

@@ -12,6 +12,7 @@ from accelerate.utils import GradientAccumulationPlugin
 
 from ft_accum.banner import format_banner
 from ft_accum.loading import describe_dtypes
+from ft_accum.low_memory import adamw_8bit
 from ft_accum.lr_scaling import describe_lr_scaling
 from ft_accum.run_outputs import check_accelerator, prepare_output_dir, resolve_report_to
 
@@ -51,8 +52,9 @@ def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str 
 def build_optimizer(
     model: torch.nn.Module, args, learning_rate: float, no_decay: tuple[str, ...]
 ) -> torch.optim.Optimizer:
-    """AdamW (fused, the Trainer's default too) or SGD with momentum 0.9, over the trainable
-    parameters; no weight decay on those whose names end with one of `no_decay` (biases, norms)."""
+    """AdamW (fused, the Trainer's default too), bitsandbytes' 8-bit AdamW (`--optim adamw_8bit`,
+    see low_memory.adamw_8bit) or SGD with momentum 0.9, over the trainable parameters; no weight
+    decay on those whose names end with one of `no_decay` (biases, norms)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for n, p in trainable if not n.endswith(no_decay)], "weight_decay": args.weight_decay},
@@ -60,6 +62,8 @@ def build_optimizer(
     ]
     if args.optim == "sgd":
         return torch.optim.SGD(groups, lr=learning_rate, momentum=0.9)
+    if args.optim == "adamw_8bit":
+        return adamw_8bit(groups, learning_rate)
     return torch.optim.AdamW(groups, lr=learning_rate, fused=True)
 
 

@@ -247,8 +247,10 @@ def build_word_tokenizer(path: Path):
     return tokenizer
 
 
-def make_tiny_lm(arch: str, path: Path) -> Path:
-    """A 2-layer, 32-wide causal LM from a config (dropout 0, 64 positions), saved with its tokenizer."""
+def make_tiny_lm(arch: str, path: Path, width: int = 32) -> Path:
+    """A 2-layer, `width`-wide causal LM from a config (dropout 0, 64 positions), saved with its tokenizer.
+
+    bitsandbytes' CPU 4-bit kernels need layers at least 64 wide (one quantization block)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_word_tokenizer(path)
@@ -260,13 +262,13 @@ def make_tiny_lm(arch: str, path: Path) -> Path:
     }
     if arch == "gpt2":
         config = GPT2Config(
-            n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common
+            n_embd=width, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common
         )
         model_class = GPT2LMHeadModel
     else:
         config = LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
+            hidden_size=width,
+            intermediate_size=2 * width,
             num_hidden_layers=2,
             num_attention_heads=2,
             num_key_value_heads=2,

@@ -35,7 +35,7 @@ from typing import Optional
 from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, default_data_collator
 
-from ft_accum import data_sources, loading, lora, offline_assets, run_outputs, training_state
+from ft_accum import data_sources, loading, lora, low_memory, offline_assets, run_outputs, training_state
 from ft_accum.accumulation_schedule import AccumulationScheduler
 from ft_accum.arguments import run_main
 from ft_accum.batch_arithmetic import apply_batch_plan
@@ -80,6 +80,12 @@ class TaskArguments:
     merge_lora: bool = field(
         default=False, metadata={"help": "Also save the base model with the adapter merged into final_merged/."}
     )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={
+            "help": "QLoRA: freeze the base in NF4 4-bit weights, train LoRA adapters (needs --use_lora, [lowmem])."
+        },
+    )
     chunked_loss: bool = field(
         default=True, metadata={"help": "Loss from the hidden states in chunks, never the full logits (exact)."}
     )
@@ -96,18 +102,32 @@ class TaskArguments:
                 raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.load_in_4bit and not self.use_lora:
+            raise ConfigError(
+                "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --use_lora"
+            )
 
 
 NO_DECAY = ("bias", "norm.weight", "ln_f.weight", "ln_1.weight", "ln_2.weight")
 
 
-def build_model(task, args, mixed_precision):
-    name = task.model_name_or_path or str(offline_assets.bundled_smollm2_dir())
+def base_model_name(task):
+    return task.model_name_or_path or str(offline_assets.bundled_smollm2_dir())
+
+
+def build_model(task, args, accelerator):
+    name = base_model_name(task)
     if task.use_lora:
         lora.import_peft()  # a missing peft fails before the model loads
     tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
-    model = loading.load_pretrained(AutoModelForCausalLM, name, args.trust_remote_code)
-    model = loading.cast_and_compile(model, args, mixed_precision, frozen_base=task.use_lora)
+    # QLoRA: bitsandbytes quantizes the base as it loads, on this process's device.
+    quantized = (
+        {"quantization_config": low_memory.quantization_config(accelerator.mixed_precision), "device_map": {"": accelerator.device}}
+        if task.load_in_4bit
+        else {}
+    )
+    model = loading.load_pretrained(AutoModelForCausalLM, name, args.trust_remote_code, **quantized)
+    model = loading.cast_and_compile(model, args, accelerator.mixed_precision, frozen_base=task.use_lora)
     loading.check_context_length(model.config, task.block_size, "--block_size")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
@@ -115,7 +135,7 @@ def build_model(task, args, mixed_precision):
         model.config.use_cache = False  # the cache is useless in training and conflicts with recomputation
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if task.use_lora:
-        model = lora.apply_lora(model, task, args.gradient_checkpointing)
+        model = lora.apply_lora(model, task, args.gradient_checkpointing, args.model_dtype)
     return model, tokenizer
 
 
@@ -200,7 +220,7 @@ def training_step(model, batch, output_loss):
 
 def save_extras(task, accelerator, model, tokenizer, output_dir):
     """--merge_lora: the base with the adapter merged into final_merged/; --generate_prompt: a greedy sample."""
-    lora.save_merged(task, accelerator, model, tokenizer, output_dir)
+    lora.save_merged(task, accelerator, model, tokenizer, output_dir, base_model_name(task))
     if not (task.generate_prompt and accelerator.is_main_process):
         return {}
     inputs = tokenizer(task.generate_prompt, return_tensors="pt").to(accelerator.device)
@@ -216,11 +236,12 @@ def save_extras(task, accelerator, model, tokenizer, output_dir):
 def train(task, args):
     accelerator = build_accelerator(task, args, "causal_lm", loss_weighted_by="tokens")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
     raw = load_raw_data(task, args)
     with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
-        model, tokenizer = build_model(task, args, accelerator.mixed_precision)
+        model, tokenizer = build_model(task, args, accelerator)
     loading.check_tokenizer(
         tokenizer, model, task.model_name_or_path or "the bundled model", raw["train"][:64][task.text_column]
     )
@@ -264,7 +285,8 @@ def train(task, args):
                 )
             try:
                 with accelerator.accumulate(model):
-                    loss_sum, num_tokens, sequences = training_step(model, batch, output_loss)
+                    with offload:  # --offload_activations: what backward needs waits in host memory
+                        loss_sum, num_tokens, sequences = training_step(model, batch, output_loss)
                     window.add(loss_sum, num_tokens, sequences, num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)
                     noise.after_backward(accelerator, num_tokens, nominal_tokens, plan)

@@ -1,0 +1,134 @@
+"""What fits a bigger model on a small card (issue 17): a 4-bit base (QLoRA), 8-bit AdamW states, and
+activations offloaded to host memory.
+
+The 4-bit weights and the 8-bit optimizer come from bitsandbytes, in the `[lowmem]` extra
+(`pip install -e ".[lowmem]"`), never in the default install. bitsandbytes was chosen over torchao
+for both: one package does both jobs (transformers' NF4 loading needs it anyway), its kernels also
+run on CPU (so CI tests the real quantization, not a mock), its optimizer state is plain tensors
+in an ordinary `state_dict` (checkpoints and resume unchanged), and its step needs no
+`torch.compile` warm-up (torchao's 8-bit AdamW took 7.6 s to compile its first step on our CPU,
+then ran 1.4× slower than bitsandbytes'). docs/low_memory.md has the comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ft_accum.errors import ConfigError
+
+LOWMEM_INSTALL = 'pip install -e ".[lowmem]" (or pip install bitsandbytes)'
+# Saved tensors smaller than this stay on the GPU: copying them costs more than they hold.
+MIN_OFFLOAD_ELEMENTS = 1024
+
+
+def import_bitsandbytes(flag: str):
+    """The bitsandbytes module, or a one-line ConfigError that names the flag and the install command."""
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise ConfigError(f"{flag} needs bitsandbytes, which is not installed; {LOWMEM_INSTALL}") from None
+    return bitsandbytes
+
+
+def quantization_config(mixed_precision: str):
+    """QLoRA's frozen base (Dettmers et al. 2023, arXiv:2305.14314, §3): NF4 weights in blocks of 64,
+    double quantization of the blocks' scales, and matmuls in the run's compute dtype: bf16 under
+    bf16 mixed precision (QLoRA's setting, accelerate_configs/gpu_bf16.yaml), fp16 under fp16, and
+    fp32 in an fp32 run. An fp32 run's 4-bit matmuls are then as exact as its other layers: NF4
+    values are exact in fp32, where bf16 would round each output to 2^-8 differently for each batch
+    shape (the QLoRA accumulation test measured 2e-3 between splits with bf16 compute, 1e-6 with fp32).
+
+    Bytes per quantized weight: 0.5 + 1/64 (an 8-bit scale per block) + 4/(64·256) (an fp32
+    constant per 256 scales) = 0.516; `memory_planner.NF4_BYTES_PER_PARAMETER` counts the same.
+    """
+    import_bitsandbytes("--load_in_4bit")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32),
+    )
+
+
+def prepare_4bit_model(model, mixed_precision: str):
+    """peft's k-bit preparation (every weight frozen; the unquantized ones, norms included, cast to
+    fp32 for stable norms), then, under bf16 mixed precision, the embeddings and the output layer
+    back to bf16; return the model.
+
+    The embeddings and the output layer are not quantized and stay frozen under LoRA. In fp32
+    they would hold 2 × vocabulary × hidden × 4 bytes: 4.2 GB for Llama-3.1-8B's 128k vocabulary,
+    enough to push its QLoRA over a 12 GB card. In bf16 they hold half that, and bf16 autocast
+    computes with them in bf16 anyway. Without autocast (a CPU run in fp32) a bf16 output layer
+    would meet fp32 hidden states, so they stay fp32. Checkpointing is left to the recipe, which
+    enables it the same way for every model.
+    """
+    from ft_accum.lora import import_peft
+
+    model = import_peft().prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    for module in model.modules():
+        # On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight for inference at the first
+        # eval-mode forward, for good; later training forwards then use a kernel without a backward,
+        # and the gradient through the frozen layers is silently dropped (seen with 0.50.2).
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None and mixed_precision == "bf16":
+            module.to(torch.bfloat16)
+    return model
+
+
+def adamw_8bit(param_groups, learning_rate: float):
+    """bitsandbytes' 8-bit AdamW (Dettmers et al. 2022, arXiv:2110.02861): each moment in 8 bits with
+    an fp32 scale per block of 256, so 2 × (1 + 4/256) = 2.03 bytes per parameter instead of 8.
+
+    Tensors under 4,096 elements (biases, norms) keep fp32 states, as bitsandbytes does by default.
+    Not the paged variant: paged optimizers live in managed memory, which the GPU check avoids and
+    which swaps silently instead of failing loudly (docs/low_memory.md says how to switch).
+    """
+    bitsandbytes = import_bitsandbytes("--optim adamw_8bit")
+    return bitsandbytes.optim.AdamW8bit(param_groups, lr=learning_rate)
+
+
+def offloads(tensor: torch.Tensor) -> bool:
+    """Whether activation offloading moves this saved tensor: not a weight, and not a small one."""
+    return not isinstance(tensor, torch.nn.Parameter) and tensor.numel() >= MIN_OFFLOAD_ELEMENTS
+
+
+def offload_activations(enabled: bool, device: torch.device):
+    """A context for the forward: each tensor it saves for backward (see `offloads`) is copied to
+    pinned host memory and back to `device` when backward needs it; with checkpointing, what is
+    saved is each block's input (`torch.utils.checkpoint` saves it with `save_for_backward`).
+
+    What `torch.autograd.graph.save_on_cpu(pin_memory=True)` does, except that it leaves the
+    weights on the GPU: save_on_cpu would copy every weight a layer saves to the host and back in
+    every micro-batch. torchtune's `OffloadActivations` skips them too. The copies are synchronous.
+    The values come back bit for bit, so the gradients are unchanged (tests/test_low_memory.py).
+    """
+    if not enabled:
+        return contextlib.nullcontext()
+    if device.type != "cuda":
+        raise ConfigError(
+            f"--offload_activations moves activations from a GPU to host memory, and this run is on {device.type}; "
+            "drop the flag (or use --gradient_checkpointing, which works everywhere)"
+        )
+    return offload_hooks(device, pin_memory=True)
+
+
+def offload_hooks(device: torch.device, pin_memory: bool):
+    """The saved-tensor hooks behind `offload_activations` (`pin_memory=False` lets a CPU test run them)."""
+
+    def pack(tensor):
+        if not offloads(tensor):
+            return tensor
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin_memory)
+        host.copy_(tensor)
+        return host
+
+    def unpack(saved):
+        return saved if saved.device == device else saved.to(device, non_blocking=pin_memory)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -1,0 +1,271 @@
+"""The low-memory options (issue 17): QLoRA's 4-bit base, 8-bit AdamW, activation offloading.
+
+bitsandbytes' 4-bit weights and 8-bit AdamW run on CPU, so these tests run the real kernels: no
+quantization is mocked. Exactness is checked as for every other feature: (micro 8, accumulation 1)
+against (micro 2, accumulation 4) through the recipe.
+"""
+
+import sys
+
+import pytest
+import torch
+from conftest import RTOL, error_of, launch, read_metrics, run_in_process, tiny_lm_args
+from safetensors.torch import load_file
+
+from ft_accum import low_memory, memory_planner
+from ft_accum.testing import make_tiny_lm, relative_error
+
+bitsandbytes = pytest.importorskip("bitsandbytes", reason='the [lowmem] extra: pip install -e ".[lowmem]"')
+peft = pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def llama_64_dir(tmp_path_factory):
+    # bitsandbytes' CPU kernels need layers at least one 64-weight quantization block wide.
+    return make_tiny_lm("llama", tmp_path_factory.mktemp("tiny-llama-64"), width=64)
+
+
+def adapter_weights(output_dir):
+    return load_file(str(output_dir / "final" / "adapter_model.safetensors"))
+
+
+def full_weights(output_dir):
+    return load_file(str(output_dir / "final" / "model.safetensors"))
+
+
+def assert_same_updates(out, reference):
+    """Per-update loss and pre-clipping gradient norm within RTOL: a wrong gradient scale shows here
+    even where the optimizer would hide it."""
+    ours, theirs = read_metrics(out), read_metrics(reference)
+    assert len(ours) == len(theirs) == 3
+    for a, b in zip(ours, theirs):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=RTOL)
+        assert a["loss"] == pytest.approx(b["loss"], rel=RTOL)
+        assert a["tokens_seen"] == b["tokens_seen"]
+
+
+def test_qlora_accumulation_matches_the_full_batch(tmp_path, llama_64_dir, lm_data_files, capsys):
+    """The 4-bit base is frozen; the fp32 LoRA adapters' gradients are what accumulates. The 4-bit
+    matmuls compute in bf16, per row, so the split of the batch changes only summation order."""
+    runs = {}
+    for micro, accumulation in ((8, 1), (2, 4)):
+        out = tmp_path / f"{micro}x{accumulation}"
+        args = tiny_lm_args(
+            llama_64_dir, lm_data_files, out, use_lora=True, load_in_4bit=True, learning_rate=1e-2,
+            per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        )  # fmt: skip
+        run_in_process("causal_lm", args)
+        runs[micro] = out
+    banner = capsys.readouterr().out
+    assert "frozen float32/uint8" in banner, "the base was not stored in 4 bits"  # NF4 packs two weights per byte
+    assert_same_updates(runs[2], runs[8])
+    ours, reference = adapter_weights(runs[2]), adapter_weights(runs[8])
+    assert relative_error(ours, reference) <= RTOL
+    moved = max(float(w.abs().max()) for k, w in reference.items() if "lora_B" in k)
+    assert moved > 1e-3, "the adapters did not train: the comparison would be empty"
+
+
+def test_qlora_gradients_match_a_model_holding_the_dequantized_weights(llama_64_dir):
+    """The 4-bit model's adapter gradients against an ordinary fp32 model whose linear weights are the
+    NF4 values dequantized: the same function, so the same gradients, up to fp32 rounding. An eval
+    pass comes first, as in the recipes: that is when bitsandbytes' CPU inference repacking used to
+    cut the gradient through the frozen layers (low_memory.prepare_4bit_model)."""
+    from bitsandbytes.functional import dequantize_4bit
+    from transformers import AutoModelForCausalLM
+
+    quantized = AutoModelForCausalLM.from_pretrained(
+        llama_64_dir, quantization_config=low_memory.quantization_config("no"), device_map={"": "cpu"}
+    )
+    quantized = low_memory.prepare_4bit_model(quantized, "no")
+    reference = AutoModelForCausalLM.from_pretrained(llama_64_dir)
+    layers = dict(reference.named_modules())
+    for name, module in quantized.named_modules():
+        if isinstance(module, bitsandbytes.nn.Linear4bit):
+            layers[name].weight.data = dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+    grads = []
+    for model in (quantized, reference):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:  # zero at init, which would leave lora_A without a gradient
+                torch.nn.init.normal_(parameter, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+        ids = torch.randint(3, 40, (4, 24), generator=torch.Generator().manual_seed(1))
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids)
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    assert relative_error(grads[0], grads[1]) <= 1e-4
+    first_layer = [n for n in grads[0] if ".layers.0." in n and "lora_A" in n]
+    assert relative_error({n: grads[0][n] for n in first_layer}, {n: grads[1][n] for n in first_layer}) <= 1e-4
+
+
+def test_qlora_merge_goes_into_a_bf16_copy_of_the_base(tmp_path, llama_64_dir, lm_data_files, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    args = tiny_lm_args(
+        llama_64_dir, lm_data_files, out, use_lora=True, load_in_4bit=True, merge_lora=True, learning_rate=3e-2
+    )
+    run_in_process("causal_lm", args)
+    assert "not into its 4-bit weights" in capsys.readouterr().out
+    merged = AutoModelForCausalLM.from_pretrained(out / "final_merged")
+    assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    base = AutoModelForCausalLM.from_pretrained(llama_64_dir, dtype=torch.bfloat16)
+    expected = peft.PeftModel.from_pretrained(base, out / "final").merge_and_unload()
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    torch.testing.assert_close(merged(input_ids=ids).logits, expected(input_ids=ids).logits)
+    plain = AutoModelForCausalLM.from_pretrained(llama_64_dir, dtype=torch.bfloat16)
+    assert not torch.equal(plain(input_ids=ids).logits, merged(input_ids=ids).logits), "the adapter changed nothing"
+
+
+# 8-bit AdamW rounds each moment to one of 256 levels per block of 256. Two runs whose gradients
+# differ by summation order (~1e-7) can round an element's moment to neighbouring levels; that
+# element's update then differs by up to one level of m/√v, 1/127 of the block's largest, so by up
+# to lr/127 per update. Over 3 updates at lr 1e-3 that is 2.4e-5 for an element; the weights' norm
+# moves far less, so 1e-4 relative is the bound, 10× the fp32 one. Loss and gradient norm come
+# before the optimizer and keep the fp32 bound.
+ADAMW_8BIT_RTOL = 1e-4
+
+
+def test_8bit_adamw_accumulation_matches_the_full_batch(tmp_path, llama_64_dir, lm_data_files, capsys):
+    runs = {}
+    for micro, accumulation in ((8, 1), (2, 4)):
+        out = tmp_path / f"{micro}x{accumulation}"
+        args = tiny_lm_args(
+            llama_64_dir, lm_data_files, out, optim="adamw_8bit",
+            per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        )  # fmt: skip
+        run_in_process("causal_lm", args)
+        runs[micro] = out
+    assert "optimizer state float32/uint8" in capsys.readouterr().out, "the optimizer state is not 8-bit"
+    assert_same_updates(runs[2], runs[8])
+    ours, reference = full_weights(runs[2]), full_weights(runs[8])
+    assert relative_error(ours, reference) <= ADAMW_8BIT_RTOL
+    assert max(float((ours[k] - reference[k]).abs().max()) for k in ours) <= 3 * 1e-3 / 127
+
+
+def test_planner_counts_the_4bit_weights_as_bitsandbytes_stores_them(tmp_path):
+    """The planner's parameter bytes for a QLoRA model against the real model's tensors: NF4 data,
+    the quantization state (absmax, nested absmax, code books), the bf16 embeddings and head, the
+    fp32 norms and adapters."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", quantization_config=low_memory.quantization_config("bf16"), device_map={"": "cpu"}
+    )
+    model = low_memory.prepare_4bit_model(model, "bf16")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    real = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        real += tensor.numel() * tensor.element_size()
+        state = getattr(tensor, "quant_state", None)
+        if state is not None:
+            real += sum(t.numel() * t.element_size() for t in (state.absmax, state.code))
+            if state.nested:
+                real += sum(t.numel() * t.element_size() for t in (state.state2.absmax, state.state2.code))
+    predicted = memory_planner.trace_step(
+        config, task="causal_lm", micro_batch_size=1, seq_len=16, precision="bf16-mixed", lora_r=8, load_in_4bit=True
+    ).parameters
+    print(f"predicted {predicted:,.0f} bytes, real {real:,.0f}")
+    assert predicted == pytest.approx(real, rel=0.03)
+    # The control: counting the quantized weights in bf16 would be off by far more than the bound.
+    frozen = AutoModelForCausalLM.from_config(config).requires_grad_(False)
+    quantized = sum(w.numel() for w in memory_planner.quantized_weights(frozen))
+    assert quantized * (2 - memory_planner.NF4_BYTES_PER_PARAMETER) > 0.3 * real
+
+
+def test_planner_counts_the_8bit_adamw_state_as_bitsandbytes_stores_it():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    optimizer = low_memory.adamw_8bit(model.parameters(), 1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    real = sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for k, v in state.items()
+        if torch.is_tensor(v) and k != "step" and not k.startswith("qmap")  # the two code books are shared
+    )
+    assert {state["state1"].dtype for state in optimizer.state.values() if "state1" in state} >= {torch.uint8}
+    predicted = memory_planner.trace_step(
+        config, task="causal_lm", micro_batch_size=1, seq_len=16, optimizer="adamw_8bit"
+    ).optimizer_state
+    print(f"predicted {predicted:,.0f} bytes, real {real:,.0f}")
+    assert predicted == pytest.approx(real, rel=0.02)
+    fp32_state = 8 * sum(p.numel() for p in model.parameters())
+    assert real < 0.3 * fp32_state
+
+
+def test_offloaded_activations_come_back_bit_for_bit(tiny_llama_dir):
+    """The hooks behind --offload_activations, on CPU with unpinned copies: every large saved tensor
+    is copied out and its copy used in backward, and the gradients are the same to the bit. With
+    checkpointing, what is saved (and so offloaded) is each block's input."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(3, 40, (4, 24))
+    for checkpointing in (False, True):
+        grads, counts = [], []
+        for offload in (False, True):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+            if checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+            copied = []
+            hooks = low_memory.offload_hooks(torch.device("cpu"), pin_memory=False)
+            original_pack = hooks.pack_hook
+            hooks.pack_hook = lambda t: (copied.append(t.numel()) if low_memory.offloads(t) else None, original_pack(t))[1]
+            with hooks if offload else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            counts.append(len(copied))
+        assert torch.equal(grads[0], grads[1])
+        assert counts[1] > 0, "nothing was offloaded"
+        if checkpointing:
+            assert counts[1] >= model.config.num_hidden_layers, "the checkpointed block inputs were not offloaded"
+
+
+def test_offloading_on_a_cpu_run_is_refused_in_one_line(tmp_path, tiny_gpt2_dir, lm_data_files):
+    message = error_of("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, offload_activations=True))
+    assert "--offload_activations" in message and "GPU" in message and "drop the flag" in message
+
+
+def test_4bit_without_lora_is_refused(tmp_path, tiny_gpt2_dir, lm_data_files):
+    message = error_of("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, load_in_4bit=True))
+    assert "--use_lora" in message
+
+
+@pytest.mark.parametrize("flags", [{"optim": "adamw_8bit"}, {"load_in_4bit": True, "use_lora": True}])
+def test_a_missing_bitsandbytes_names_the_extra(tmp_path, tiny_gpt2_dir, lm_data_files, monkeypatch, flags):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes now raises ImportError
+    message = error_of("causal_lm", tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, **flags))
+    assert "bitsandbytes" in message and '".[lowmem]"' in message
+
+
+@pytest.mark.launch
+def test_qlora_with_8bit_adamw_through_accelerate_launch(tmp_path, llama_64_dir, lm_data_files):
+    result = launch(
+        "causal_lm",
+        tiny_lm_args(
+            llama_64_dir, lm_data_files, tmp_path, use_lora=True, load_in_4bit=True, optim="adamw_8bit",
+            gradient_checkpointing=True, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+        ),  # fmt: skip
+    )
+    assert "frozen float32/uint8" in result.stdout and "optimizer state float32/uint8" in result.stdout
+    assert len(read_metrics(tmp_path)) == 3 and (tmp_path / "final" / "adapter_model.safetensors").is_file()
