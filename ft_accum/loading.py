@@ -70,6 +70,21 @@ def cast_and_compile(model, args, mixed_precision: str = "no", frozen_base: bool
     return model
 
 
+def load_causal_lm(name: str, args, accelerator, *, frozen_base: bool, load_in_4bit: bool = False):
+    """AutoModelForCausalLM `name`, its base in NF4 4-bit weights with `load_in_4bit` (QLoRA; bitsandbytes
+    quantizes it as it loads, on this process's device), then `cast_and_compile`."""
+    from transformers import AutoModelForCausalLM
+
+    quantized = {}
+    if load_in_4bit:
+        from ft_accum.low_memory import quantization_config
+
+        quantized = {"quantization_config": quantization_config(accelerator.mixed_precision)}
+        quantized["device_map"] = {"": accelerator.device}
+    model = load_pretrained(AutoModelForCausalLM, name, args.trust_remote_code, **quantized)
+    return cast_and_compile(model, args, accelerator.mixed_precision, frozen_base=frozen_base)
+
+
 def describe_dtypes(model, optimizer, mixed_precision: str) -> str:
     """The banner's dtype line: trained weights, frozen weights, compute, optimizer state."""
 

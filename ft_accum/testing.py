@@ -214,15 +214,15 @@ def make_conversations(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def make_tiny_chat_lm(path: Path) -> Path:
-    """A 2-layer, 32-wide Llama with SmolLM2-135M-Instruct's real tokenizer and chat template (bundled, offline)."""
+def make_tiny_chat_lm(path: Path, width: int = 32) -> Path:
+    """A 2-layer, `width`-wide Llama with SmolLM2-135M-Instruct's real tokenizer and chat template (bundled, offline)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from ft_accum.offline_assets import bundled_smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_dir())
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
     )  # fmt: skip
@@ -262,7 +262,14 @@ def make_tiny_lm(arch: str, path: Path, width: int = 32) -> Path:
     }
     if arch == "gpt2":
         config = GPT2Config(
-            n_embd=width, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common
+            n_embd=width,
+            n_layer=2,
+            n_head=2,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **common,
         )
         model_class = GPT2LMHeadModel
     else:

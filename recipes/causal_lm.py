@@ -33,7 +33,7 @@ from itertools import chain
 from typing import Optional
 
 from accelerate.utils import set_seed
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, default_data_collator
+from transformers import AutoTokenizer, DataCollatorForLanguageModeling, default_data_collator
 
 from ft_accum import data_sources, loading, lora, low_memory, offline_assets, run_outputs, training_state
 from ft_accum.accumulation_schedule import AccumulationScheduler
@@ -120,14 +120,7 @@ def build_model(task, args, accelerator):
     if task.use_lora:
         lora.import_peft()  # a missing peft fails before the model loads
     tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
-    # QLoRA: bitsandbytes quantizes the base as it loads, on this process's device.
-    quantized = (
-        {"quantization_config": low_memory.quantization_config(accelerator.mixed_precision), "device_map": {"": accelerator.device}}
-        if task.load_in_4bit
-        else {}
-    )
-    model = loading.load_pretrained(AutoModelForCausalLM, name, args.trust_remote_code, **quantized)
-    model = loading.cast_and_compile(model, args, accelerator.mixed_precision, frozen_base=task.use_lora)
+    model = loading.load_causal_lm(name, args, accelerator, frozen_base=task.use_lora, load_in_4bit=task.load_in_4bit)
     loading.check_context_length(model.config, task.block_size, "--block_size")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do

@@ -32,7 +32,7 @@ import transformers
 from accelerate.utils import set_seed
 from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig
 
-from ft_accum import data_sources, loading, norm, offline_assets, run_outputs, training_state
+from ft_accum import data_sources, loading, low_memory, norm, offline_assets, run_outputs, training_state
 from ft_accum.accumulation_schedule import AccumulationScheduler
 from ft_accum.arguments import run_main
 from ft_accum.batch_arithmetic import apply_batch_plan
@@ -217,6 +217,7 @@ def training_step(model, batch):
 def train(task, args):
     accelerator = build_accelerator(task, args, "image_classification")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
     raw, label_names = load_raw_data(task, args)
@@ -252,7 +253,8 @@ def train(task, args):
                 )
             try:
                 with accelerator.accumulate(model):
-                    loss_sum, samples = training_step(model, batch)
+                    with offload:  # --offload_activations: what backward needs waits in host memory
+                        loss_sum, samples = training_step(model, batch)
                     window.add(loss_sum, samples, samples)
                     accelerator.backward(loss_sum / plan.micro)
                     noise.after_backward(accelerator, samples, plan.micro, plan)

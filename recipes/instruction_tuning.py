@@ -37,9 +37,9 @@ from typing import Optional
 
 import torch
 from accelerate.utils import set_seed
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from ft_accum import chat_data, data_sources, loading, lora, offline_assets, run_outputs, training_state
+from ft_accum import chat_data, data_sources, loading, lora, low_memory, offline_assets, run_outputs, training_state
 from ft_accum.accumulation_schedule import AccumulationScheduler
 from ft_accum.arguments import run_main
 from ft_accum.batch_arithmetic import apply_batch_plan
@@ -77,6 +77,12 @@ class TaskArguments:
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
     lora_target_modules: str = field(default="all-linear", metadata={"help": "Comma-separated names, or all-linear."})
     merge_lora: bool = field(default=False, metadata={"help": "Also save the merged model in final_merged/."})
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={
+            "help": "QLoRA: freeze the base in NF4 4-bit weights, train LoRA adapters (needs --use_lora, [lowmem])."
+        },
+    )
     chunked_loss: bool = field(default=True, metadata={"help": "Loss from the hidden states in chunks (exact)."})
     exact_match_max_words: int = field(
         default=1, metadata={"help": "Exact match is scored on eval answers of at most this many words."}
@@ -89,26 +95,33 @@ class TaskArguments:
                 raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.load_in_4bit and not self.use_lora:
+            raise ConfigError(
+                "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --use_lora"
+            )
 
 
 NO_DECAY = ("bias", "norm.weight")
 
 
-def build_model(task, args, mixed_precision):
-    name = task.model_name_or_path or str(offline_assets.bundled_smollm2_dir())
+def base_model_name(task):
+    return task.model_name_or_path or str(offline_assets.bundled_smollm2_dir())
+
+
+def build_model(task, args, accelerator):
+    name = base_model_name(task)
     if task.use_lora:
         lora.import_peft()  # a missing peft fails before the model loads
     tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
     chat_data.resolve_chat_template(tokenizer, task.chat_template, name)
-    model = loading.load_pretrained(AutoModelForCausalLM, name, args.trust_remote_code)
-    model = loading.cast_and_compile(model, args, mixed_precision, frozen_base=task.use_lora)
+    model = loading.load_causal_lm(name, args, accelerator, frozen_base=task.use_lora, load_in_4bit=task.load_in_4bit)
     loading.check_context_length(model.config, task.max_seq_length, "--max_seq_length")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if task.use_lora:
-        model = lora.apply_lora(model, task, args.gradient_checkpointing)
+        model = lora.apply_lora(model, task, args.gradient_checkpointing, args.model_dtype)
     return model, tokenizer
 
 
@@ -209,11 +222,12 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, 
 def train(task, args):
     accelerator = build_accelerator(task, args, "instruction_tuning", loss_weighted_by="tokens")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
     conversations = load_conversations(task, args)
     with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
-        model, tokenizer = build_model(task, args, accelerator.mixed_precision)
+        model, tokenizer = build_model(task, args, accelerator)
     train_dataloader, eval_dataloader, tokenized = build_dataloaders(task, args, accelerator, conversations, tokenizer)
     optimizer = build_optimizer(model, args, args.scaled_learning_rate(plan.effective), NO_DECAY)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
@@ -262,7 +276,8 @@ def train(task, args):
                 )
             try:
                 with accelerator.accumulate(model):
-                    loss_sum, num_tokens, sequences = training_step(model, batch, output_loss)
+                    with offload:  # --offload_activations: what backward needs waits in host memory
+                        loss_sum, num_tokens, sequences = training_step(model, batch, output_loss)
                     window.add(loss_sum, num_tokens, sequences, num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)
                     noise.after_backward(accelerator, num_tokens, nominal_tokens, plan)
@@ -296,7 +311,7 @@ def train(task, args):
         "truncated_train_conversations": train_chats.truncated,
         "dropped_train_conversations": train_chats.dropped,
     }
-    extras = lambda: lora.save_merged(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
+    extras = lambda: lora.save_merged(task, accelerator, model, tokenizer, args.output_dir, base_model_name(task))  # noqa: E731
     return tracker.finish(model, tokenizer, plan, extras, **eval_metrics, **initial, **counts)
 
 

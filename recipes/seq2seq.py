@@ -30,7 +30,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
 
-from ft_accum import data_sources, loading, offline_assets, run_outputs, training_state
+from ft_accum import data_sources, loading, low_memory, offline_assets, run_outputs, training_state
 from ft_accum.accumulation_schedule import AccumulationScheduler
 from ft_accum.arguments import run_main
 from ft_accum.batch_arithmetic import apply_batch_plan
@@ -186,6 +186,7 @@ def training_step(model, batch, output_loss):
 def train(task, args):
     accelerator = build_accelerator(task, args, "seq2seq", loss_weighted_by="tokens")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
     raw = load_raw_data(task, args)
@@ -233,7 +234,8 @@ def train(task, args):
                 )
             try:
                 with accelerator.accumulate(model):
-                    loss_sum, num_tokens, examples = training_step(model, batch, output_loss)
+                    with offload:  # --offload_activations: what backward needs waits in host memory
+                        loss_sum, num_tokens, examples = training_step(model, batch, output_loss)
                     window.add(loss_sum, num_tokens, examples, num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)
                     noise.after_backward(accelerator, num_tokens, nominal_tokens, plan)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-from ft_accum import data_sources, loading, offline_assets, run_outputs, training_state
+from ft_accum import data_sources, loading, low_memory, offline_assets, run_outputs, training_state
 from ft_accum.accumulation_schedule import AccumulationScheduler
 from ft_accum.arguments import run_main
 from ft_accum.batch_arithmetic import apply_batch_plan
@@ -149,6 +149,7 @@ def evaluate_model(model, eval_dataloader, accelerator, accuracy, f1):
 def train(task, args):
     accelerator = build_accelerator(task, args, "text_classification")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
     raw, label_names = load_raw_data(task, args)
@@ -186,7 +187,8 @@ def train(task, args):
                 )
             try:
                 with accelerator.accumulate(model):
-                    loss_sum, samples, tokens = training_step(model, batch)
+                    with offload:  # --offload_activations: what backward needs waits in host memory
+                        loss_sum, samples, tokens = training_step(model, batch)
                     window.add(loss_sum, samples, samples, tokens)
                     accelerator.backward(loss_sum / plan.micro)
                     noise.after_backward(accelerator, samples, plan.micro, plan)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from transformers import AutoModelForTokenClassification, AutoTokenizer, DataCollatorForTokenClassification
 
-from ft_accum import data_sources, loading, offline_assets, run_outputs, training_state
+from ft_accum import data_sources, loading, low_memory, offline_assets, run_outputs, training_state
 from ft_accum.accumulation_schedule import AccumulationScheduler
 from ft_accum.arguments import run_main
 from ft_accum.batch_arithmetic import apply_batch_plan
@@ -197,6 +197,7 @@ def evaluate_model(model, eval_dataloader, accelerator, seqeval, label_names):
 def train(task, args):
     accelerator = build_accelerator(task, args, "token_classification", loss_weighted_by="tokens")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
     raw, label_column, label_names = load_raw_data(task, args)
@@ -238,7 +239,8 @@ def train(task, args):
                 )
             try:
                 with accelerator.accumulate(model):
-                    loss_sum, num_tokens, sequences = training_step(model, batch)
+                    with offload:  # --offload_activations: what backward needs waits in host memory
+                        loss_sum, num_tokens, sequences = training_step(model, batch)
                     window.add(loss_sum, num_tokens, sequences, num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)
                     noise.after_backward(accelerator, num_tokens, nominal_tokens, plan)

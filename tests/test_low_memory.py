@@ -5,15 +5,16 @@ quantization is mocked. Exactness is checked as for every other feature: (micro 
 against (micro 2, accumulation 4) through the recipe.
 """
 
+import contextlib
 import sys
 
 import pytest
 import torch
-from conftest import RTOL, error_of, launch, read_metrics, run_in_process, tiny_lm_args
+from conftest import RTOL, error_of, launch, read_metrics, recipe_args, run_in_process, tiny_lm_args, write_jsonl
 from safetensors.torch import load_file
 
 from ft_accum import low_memory, memory_planner
-from ft_accum.testing import make_tiny_lm, relative_error
+from ft_accum.testing import make_conversations, make_tiny_chat_lm, make_tiny_lm, relative_error
 
 bitsandbytes = pytest.importorskip("bitsandbytes", reason='the [lowmem] extra: pip install -e ".[lowmem]"')
 peft = pytest.importorskip("peft")
@@ -211,6 +212,19 @@ def test_planner_counts_the_8bit_adamw_state_as_bitsandbytes_stores_it():
     assert real < 0.3 * fp32_state
 
 
+def counted(hooks, copied: list):
+    """`hooks` with a pack hook that also records the size of each tensor it offloads."""
+    pack = hooks.pack_hook
+
+    def pack_and_count(tensor):
+        if low_memory.offloads(tensor):
+            copied.append(tensor.numel())
+        return pack(tensor)
+
+    hooks.pack_hook = pack_and_count
+    return hooks
+
+
 def test_offloaded_activations_come_back_bit_for_bit(tiny_llama_dir):
     """The hooks behind --offload_activations, on CPU with unpinned copies: every large saved tensor
     is copied out and its copy used in backward, and the gradients are the same to the bit. With
@@ -227,10 +241,8 @@ def test_offloaded_activations_come_back_bit_for_bit(tiny_llama_dir):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
             copied = []
-            hooks = low_memory.offload_hooks(torch.device("cpu"), pin_memory=False)
-            original_pack = hooks.pack_hook
-            hooks.pack_hook = lambda t: (copied.append(t.numel()) if low_memory.offloads(t) else None, original_pack(t))[1]
-            with hooks if offload else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            hooks = counted(low_memory.offload_hooks(torch.device("cpu"), pin_memory=False), copied)
+            with hooks if offload else contextlib.nullcontext():
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -258,14 +270,50 @@ def test_a_missing_bitsandbytes_names_the_extra(tmp_path, tiny_gpt2_dir, lm_data
     assert "bitsandbytes" in message and '".[lowmem]"' in message
 
 
+def test_qlora_instruction_tuning_accumulation_matches_the_full_batch(tmp_path):
+    """The instruction recipe's QLoRA: assistant-token weighting over answers 20× apart in length."""
+    model_dir = make_tiny_chat_lm(tmp_path / "chat-lm", width=64)
+    data = {
+        "train": write_jsonl(tmp_path / "train.jsonl", make_conversations(16, seed=3)),
+        "validation": write_jsonl(tmp_path / "validation.jsonl", make_conversations(6, seed=4)),
+    }
+    runs = {}
+    for micro, accumulation in ((8, 1), (2, 4)):
+        runs[micro] = tmp_path / f"{micro}x{accumulation}"
+        args = recipe_args(
+            model_dir, data, runs[micro], use_lora=True, load_in_4bit=True, learning_rate=1e-2, max_train_steps=2,
+            per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation, max_seq_length=512,
+            exact_match_max_words=1, max_new_tokens=2,
+        )  # fmt: skip
+        run_in_process("instruction_tuning", args)
+    assert relative_error(adapter_weights(runs[2]), adapter_weights(runs[8])) <= RTOL
+
+
 @pytest.mark.launch
-def test_qlora_with_8bit_adamw_through_accelerate_launch(tmp_path, llama_64_dir, lm_data_files):
+def test_qlora_on_two_ddp_processes_matches_the_full_batch(tmp_path, llama_64_dir, lm_data_files):
+    """Real DDP (gloo, 2 CPU processes) over a 4-bit base with 8-bit AdamW and checkpointing, against
+    one process taking the whole batch at once."""
+    common = dict(
+        use_lora=True, load_in_4bit=True, optim="adamw_8bit", gradient_checkpointing=True, learning_rate=1e-2
+    )
+    run_in_process(
+        "causal_lm",
+        tiny_lm_args(llama_64_dir, lm_data_files, tmp_path / "full", per_device_train_batch_size=8, **common),
+    )
     result = launch(
         "causal_lm",
         tiny_lm_args(
-            llama_64_dir, lm_data_files, tmp_path, use_lora=True, load_in_4bit=True, optim="adamw_8bit",
-            gradient_checkpointing=True, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+            llama_64_dir,
+            lm_data_files,
+            tmp_path / "ddp",
+            per_device_train_batch_size=2,
+            effective_batch_size=8,
+            **common,
         ),  # fmt: skip
+        num_processes=2,
     )
+    assert "2 micro × 2 accumulation × 2 processes" in result.stdout
     assert "frozen float32/uint8" in result.stdout and "optimizer state float32/uint8" in result.stdout
-    assert len(read_metrics(tmp_path)) == 3 and (tmp_path / "final" / "adapter_model.safetensors").is_file()
+    assert_same_updates(tmp_path / "ddp", tmp_path / "full")
+    # LoRA's tensors are under bitsandbytes' 4,096-element threshold, so their AdamW state is fp32.
+    assert relative_error(adapter_weights(tmp_path / "ddp"), adapter_weights(tmp_path / "full")) <= RTOL
