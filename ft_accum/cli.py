@@ -59,7 +59,9 @@ def report_command(args: argparse.Namespace) -> int:
 
 
 def format_plan(result: dict) -> str:
-    """The candidates as an aligned table, the recommendation last."""
+    """The candidates as an aligned table, the recommendation last, as a split and as a whole run."""
+    from ft_accum import memory_planner
+
     lines = [
         f"{result['model']} · {result['task']} · {result['seq_len']} tokens · effective batch {result['effective_batch_size']} "
         f"· {result['precision']} · {result['optimizer']}"
@@ -92,6 +94,7 @@ def format_plan(result: dict) -> str:
             + (" --gradient_checkpointing" if best["gradient_checkpointing"] else "")
             + f"  (predicted peak {best['peak_gib']:.2f} GiB)"
         )
+        lines.append(f"as a run:    {memory_planner.launch_line(result)}")
     else:
         lines.append(
             "nothing fits: try --precision bf16, --lora_r 16, --optimizer adamw_8bit, a shorter --seq_len, or a smaller model"
@@ -140,7 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu_memory", default="12GiB", help="memory of one card, e.g. 12GiB")
     plan.add_argument("--num_processes", type=int, default=1, help="GPUs (data parallel); the plan is per GPU")
     plan.add_argument("--precision", default="bf16-mixed", choices=memory_planner.PRECISIONS)
-    plan.add_argument("--optimizer", default="adamw", choices=memory_planner.OPTIMIZERS)
+    plan.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=memory_planner.OPTIMIZERS,
+        help="adamw_8bit: bitsandbytes' 8-bit states (the recipes' --optim adamw_8bit); adamw_4bit: torchao's, "
+        "planned for comparison, not in the recipes",
+    )
     plan.add_argument("--lora_r", type=int, default=None, help="plan a LoRA run of this rank (needs peft)")
     plan.add_argument("--lora_target_modules", default="all-linear")
     plan.add_argument(
@@ -155,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--load_in_4bit",
         action="store_true",
-        help="QLoRA: frozen linear weights in NF4 (double quantized); needs --lora_r",
+        help="QLoRA: frozen linear weights in NF4 (double quantized), bf16 embeddings and head; needs --lora_r",
     )
     plan.add_argument(
         "--offload_activations", action="store_true", help="saved activations in host memory (reported as host GiB)"

@@ -578,7 +578,8 @@ def plan(
         "load_in_4bit": load_in_4bit,
         "offload_activations": offload_activations,
     }
-    smallest = trace_step(config, micro_batch_size=micros[0], **settings)
+    predicted = {False: predict_micro_batches(config, micros, gradient_checkpointing=False, **settings)}
+    smallest = predicted[False][micros[0]]  # traced: the smallest candidate always is
     static = smallest.parameters + smallest.optimizer_state
     if not fits(static, gpu_memory_gib * GIB):
         options = [
@@ -593,10 +594,10 @@ def plan(
             f"with its margin ({FRAGMENTATION}× + {CUDA_OVERHEAD_GIB} GiB); try {', '.join(options)}"
         )
     rows = []
+    predicted[True] = predict_micro_batches(config, micros, gradient_checkpointing=True, **settings)
     for checkpointing in (False, True):
-        predicted = predict_micro_batches(config, micros, gradient_checkpointing=checkpointing, **settings)
         for micro in micros:
-            estimate = predicted[micro]
+            estimate = predicted[checkpointing][micro]
             rows.append(
                 {
                     "per_device_train_batch_size": micro,
@@ -617,7 +618,7 @@ def plan(
     top = max(r["relative_throughput"] for r in rows)
     for r in rows:
         r["relative_throughput"] = r["relative_throughput"] / top
-    return {
+    result = {
         "model": getattr(config, "name_or_path", "") or str(model),
         "task": task,
         "seq_len": seq_len,
@@ -635,6 +636,63 @@ def plan(
         "candidates": rows,
         "recommended": best,
     }
+    result["launch"] = launch_line(result)
+    return result
+
+
+SEQUENCE_FLAG = {
+    "causal_lm": "--block_size",
+    "text_classification": "--max_seq_length",
+    "token_classification": "--max_seq_length",
+    "seq2seq": "--max_source_length",
+}
+
+
+def launch_line(result: dict) -> str | None:
+    """The recommended configuration as a whole `accelerate launch` command: the Accelerate config for
+    the precision, and every recipe flag the plan assumed (dtype, optimizer, LoRA, 4-bit base,
+    offloading, checkpointing), not only the split. None when nothing fits.
+
+    The planner's precisions map to the recipes' dtype policy: "bf16" is bf16 mixed precision with
+    bf16 weights (--model_dtype bfloat16); under LoRA the frozen base is bf16 and the adapters fp32
+    anyway, which is the recipes' default under bf16 mixed precision.
+    """
+    best = result["recommended"]
+    if best is None:
+        return None
+    mixed_precision = {"fp16-mixed": "fp16", "fp32": "no"}.get(result["precision"], "bf16")
+    if result["num_processes"] > 1:
+        accelerate_config = (
+            f"multi_gpu_ddp.yaml --num_processes {result['num_processes']} --mixed_precision {mixed_precision}"
+        )
+    else:
+        accelerate_config = {"fp16": "single_gpu_fp16.yaml", "no": "single_gpu_bf16.yaml --mixed_precision no"}.get(
+            mixed_precision, "single_gpu_bf16.yaml"
+        )
+    flags = [
+        f"--per_device_train_batch_size {best['per_device_train_batch_size']}",
+        f"--effective_batch_size {result['effective_batch_size']}",
+        f"{SEQUENCE_FLAG[result['task']]} {result['seq_len']}",
+    ]
+    if best["gradient_checkpointing"]:
+        flags.append("--gradient_checkpointing")
+    if result["precision"] == "bf16" and not result["lora_r"]:
+        flags.append("--model_dtype bfloat16")
+    flags += {
+        "adamw_8bit": ["--optim adamw_8bit"],
+        "sgd": ["--optim sgd"],
+        "adamw_4bit": ["(4-bit AdamW: torchao's, not in the recipes; see docs/low_memory.md)"],
+    }.get(result["optimizer"], [])
+    if result["lora_r"]:
+        flags.append(f"--use_lora --lora_r {result['lora_r']}")
+    if result.get("load_in_4bit"):
+        flags.append("--load_in_4bit")
+    if result.get("offload_activations"):
+        flags.append("--offload_activations")
+    return (
+        f"accelerate launch --config_file accelerate_configs/{accelerate_config} "
+        f"recipes/{result['task']}.py {' '.join(flags)}"
+    )
 
 
 def parse_memory(text: str) -> float:

@@ -80,6 +80,20 @@ def test_output_loss_profile_and_packing_benchmarks_run_quick(tmp_path):
     assert all(rate > 0 for rate in packing["median_assistant_tokens_per_second"].values())
 
 
+def test_low_memory_benchmark_runs_quick(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    run_script("bench_low_memory.py", "--quick", "--output", str(tmp_path / "low_memory.json"))
+    runs = json.loads((tmp_path / "low_memory.json").read_text())["runs"]
+    assert set(runs) == {"fp32 + AdamW", "fp32 + 8-bit AdamW", "bf16 + AdamW", "bf16 + 8-bit AdamW"}
+    assert runs["fp32 + AdamW"]["loss_gap_to_fp32_adamw"]["final"] == 0
+    state = {name: run["bytes_gib"]["optimizer_state"] for name, run in runs.items()}
+    assert state["bf16 + 8-bit AdamW"] < 0.5 * state["fp32 + AdamW"]
+    for run in runs.values():
+        assert run["bytes_gib"]["optimizer_state"] == pytest.approx(
+            run["bytes_gib"]["predicted_optimizer_state"], rel=0.02
+        )
+
+
 @pytest.mark.launch
 def test_gpu_check_dry_run_exercises_every_check_it_can_on_cpu(tmp_path):
     """The GPU check must not first break on the GPU machine: its dry run runs checks 1–4 on CPU."""

@@ -268,10 +268,13 @@ def test_offloaded_activations_leave_the_gpu_peak_and_are_reported_as_host_bytes
 
 def test_low_bit_adamw_states_are_counted_per_parameter():
     config, settings = tiny_llama(), {"task": "causal_lm", "micro_batch_size": 1, "seq_len": 16}
-    trainable = sum(p.numel() for p in mp.build_model(config, "causal_lm").parameters())
+    sizes = [p.numel() for p in mp.build_model(config, "causal_lm").parameters()]
+    assert min(sizes) < mp.LOW_BIT_MIN_ELEMENTS <= max(sizes)  # both kinds of tensor are present
     for name, per_parameter in (("adamw_8bit", 2 * (1 + 4 / 256)), ("adamw_4bit", 2 * (0.5 + 4 / 128))):
         state = mp.trace_phases(config, optimizer=name, **settings)[0].optimizer_state
-        assert state == pytest.approx(trainable * per_parameter), name
+        # Tensors under 4,096 elements keep fp32 states, as bitsandbytes and torchao do.
+        expected = sum(n * per_parameter if n >= mp.LOW_BIT_MIN_ELEMENTS else 8 * n for n in sizes)
+        assert state == pytest.approx(expected), name
 
 
 @pytest.mark.launch  # two traces of an 8B and a 1.5B config: ~1.5 min on 2 cores
@@ -287,3 +290,41 @@ def test_qlora_8b_and_low_memory_full_fine_tuning_of_1_5b_are_planned_to_fit_12_
     )  # fmt: skip
     best = full["recommended"]
     assert best and best["fits"] and best["host_gib"] <= 0.8 * 32
+    for result, expected in (
+        (qlora, "--use_lora --lora_r 16 --load_in_4bit"),
+        (full, "--model_dtype bfloat16 --optim adamw_8bit"),
+    ):
+        assert expected in result["launch"]
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({"precision": "bf16", "optimizer": "adamw_8bit"}, ["--model_dtype bfloat16", "--optim adamw_8bit"]),
+        ({"precision": "bf16", "lora_r": 16, "load_in_4bit": True}, ["--use_lora --lora_r 16", "--load_in_4bit"]),
+        ({"precision": "bf16-mixed", "offload_activations": True}, ["--offload_activations"]),
+    ],
+)
+def test_the_recommendation_is_a_whole_run_whose_flags_the_recipe_accepts(settings, expected):
+    """The launch line carries every low-memory choice the plan assumed, and causal_lm parses each flag."""
+    from ft_accum.arguments import parse_args
+    from ft_accum.testing import load_recipe
+
+    result = {
+        "task": "causal_lm", "seq_len": 1024, "effective_batch_size": 32, "num_processes": 1, "optimizer": "adamw",
+        "lora_r": None, "recommended": {"per_device_train_batch_size": 4, "gradient_checkpointing": True}, **settings,
+    }  # fmt: skip
+    line = mp.launch_line(result)
+    assert line.startswith(
+        "accelerate launch --config_file accelerate_configs/single_gpu_bf16.yaml recipes/causal_lm.py"
+    )
+    assert all(flag in line for flag in expected)
+    flags = line.split("recipes/causal_lm.py ")[1].split()
+    task, args = parse_args(load_recipe("causal_lm").TaskArguments, flags)
+    assert (args.per_device_train_batch_size, args.effective_batch_size, task.block_size) == (4, 32, 1024)
+    assert args.gradient_checkpointing and args.model_dtype == (
+        "bfloat16" if "--model_dtype bfloat16" in line else "float32"
+    )
+    assert task.load_in_4bit == settings.get("load_in_4bit", False) and args.offload_activations == settings.get(
+        "offload_activations", False
+    )
