@@ -3,7 +3,7 @@
 What the low-memory full fine-tune trades (issue 17), on this machine. Needs the [lowmem] extra.
 
 1. Quality. recipes/causal_lm.py fully fine-tunes the bundled, pretrained SmolLM2-135M on BBC News
-   text (packed 64-token blocks, 16 per update, 40 updates, LR 5e-5 with 4 warmup updates, fp32
+   text (packed 64-token blocks, 16 per update, 24 updates, LR 5e-5 with 4 warmup updates, fp32
    compute on CPU), four times with the same seed and data:
      fp32 weights + AdamW (the default), fp32 + 8-bit AdamW, bf16 weights + AdamW, and
      bf16 weights + 8-bit AdamW (`--model_dtype bfloat16 --optim adamw_8bit`, what fits
@@ -36,7 +36,7 @@ CONFIGURATIONS = {
     "bf16 + AdamW": ("bfloat16", "adamw_torch"),
     "bf16 + 8-bit AdamW": ("bfloat16", "adamw_8bit"),
 }
-UPDATES = 40
+UPDATES = 24
 
 
 def train(model_dir: str | None, dtype: str, optim: str, quick: bool, data: list[str]) -> tuple[dict, list[dict]]:

@@ -3,8 +3,9 @@
     python benchmarks/plan_12gb_table.py --gpu_memory 12 --effective_batch_size 32 > benchmarks/results/plan_12gb.md
 
 Each row is `ft-accum plan` for one shipped config: the recommended split (the fastest predicted
-to fit), for full fine-tuning (bf16 mixed precision, fp32 master weights, fused AdamW) and for
-LoRA r=16 (bf16 frozen base). The cells also go to benchmarks/results/plan_12gb.json, from which
+to fit), for full fine-tuning (bf16 mixed precision, fp32 master weights, fused AdamW), low-memory
+full fine-tuning (bf16 weights, bitsandbytes' 8-bit AdamW), LoRA r=16 (bf16 frozen base) and
+QLoRA r=16 (NF4 frozen base, bf16 embeddings and head). The cells also go to benchmarks/results/plan_12gb.json, from which
 benchmarks/gpu_check.py runs each one on a GPU under an 11.4 GiB cap; a cell that such a run
 verified (benchmarks/results/gpu_check.json) says "verified on GPU", every other "predicted".
 """
@@ -27,8 +28,19 @@ MODELS = [  # (shipped config, task, sequence length)
 ]
 MODES = {
     "full fine-tuning (bf16-mixed, fp32 weights, AdamW)": {"precision": "bf16-mixed", "optimizer": "adamw"},
+    "full fine-tuning, low memory (bf16 weights, 8-bit AdamW)": {"precision": "bf16", "optimizer": "adamw_8bit"},
     "LoRA r=16 (bf16 frozen base)": {"precision": "bf16", "optimizer": "adamw", "lora_r": 16},
+    "QLoRA r=16 (NF4 frozen base)": {"precision": "bf16", "optimizer": "adamw", "lora_r": 16, "load_in_4bit": True},
 }
+
+
+def mode_key(settings: dict) -> str:
+    """The cell's mode in its key: full, full-8bit, lora or qlora."""
+    if settings.get("load_in_4bit"):
+        return "qlora"
+    if settings.get("lora_r"):
+        return "lora"
+    return "full-8bit" if settings.get("optimizer") == "adamw_8bit" else "full"
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +55,8 @@ def verified_cells() -> dict[str, dict]:
 
 def cell(model, task, seq_len, settings, args):
     """(the table's text, the cell's record for plan_12gb.json or None)."""
+    if settings.get("load_in_4bit") and task != "causal_lm":
+        return "— (4-bit: the LM recipes)", None
     try:
         result = plan(
             model,
@@ -63,7 +77,7 @@ def cell(model, task, seq_len, settings, args):
     if best is None:
         return "does not fit at micro-batch 1", None
     record = {
-        "cell": f"{model} {task} {seq_len} {'lora' if settings.get('lora_r') else 'full'}",
+        "cell": f"{model} {task} {seq_len} {mode_key(settings)}",
         "model": model,
         "task": task,
         "seq_len": seq_len,

@@ -676,23 +676,29 @@ def launch_line(result: dict) -> str | None:
     ]
     if best["gradient_checkpointing"]:
         flags.append("--gradient_checkpointing")
-    if result["precision"] == "bf16" and not result["lora_r"]:
-        flags.append("--model_dtype bfloat16")
-    flags += {
-        "adamw_8bit": ["--optim adamw_8bit"],
-        "sgd": ["--optim sgd"],
-        "adamw_4bit": ["(4-bit AdamW: torchao's, not in the recipes; see docs/low_memory.md)"],
-    }.get(result["optimizer"], [])
-    if result["lora_r"]:
-        flags.append(f"--use_lora --lora_r {result['lora_r']}")
-    if result.get("load_in_4bit"):
-        flags.append("--load_in_4bit")
-    if result.get("offload_activations"):
-        flags.append("--offload_activations")
     return (
         f"accelerate launch --config_file accelerate_configs/{accelerate_config} "
-        f"recipes/{result['task']}.py {' '.join(flags)}"
+        f"recipes/{result['task']}.py {' '.join(flags + recipe_flags(result))}"
     )
+
+
+def recipe_flags(settings: dict) -> list[str]:
+    """The recipe's command-line words for a plan's dtype, optimizer, LoRA, 4-bit and offloading settings."""
+    flags = []
+    if settings.get("precision") == "bf16" and not settings.get("lora_r"):
+        flags.append("--model_dtype=bfloat16")
+    flags += {
+        "adamw_8bit": ["--optim=adamw_8bit"],
+        "sgd": ["--optim=sgd"],
+        "adamw_4bit": ["(4-bit AdamW: torchao's, not in the recipes; see docs/low_memory.md)"],
+    }.get(settings.get("optimizer", "adamw"), [])
+    if settings.get("lora_r"):
+        flags += ["--use_lora", f"--lora_r={settings['lora_r']}"]
+    if settings.get("load_in_4bit"):
+        flags.append("--load_in_4bit")
+    if settings.get("offload_activations"):
+        flags.append("--offload_activations")
+    return flags
 
 
 def parse_memory(text: str) -> float:

@@ -300,8 +300,8 @@ def test_qlora_8b_and_low_memory_full_fine_tuning_of_1_5b_are_planned_to_fit_12_
 @pytest.mark.parametrize(
     "settings, expected",
     [
-        ({"precision": "bf16", "optimizer": "adamw_8bit"}, ["--model_dtype bfloat16", "--optim adamw_8bit"]),
-        ({"precision": "bf16", "lora_r": 16, "load_in_4bit": True}, ["--use_lora --lora_r 16", "--load_in_4bit"]),
+        ({"precision": "bf16", "optimizer": "adamw_8bit"}, ["--model_dtype=bfloat16", "--optim=adamw_8bit"]),
+        ({"precision": "bf16", "lora_r": 16, "load_in_4bit": True}, ["--use_lora --lora_r=16", "--load_in_4bit"]),
         ({"precision": "bf16-mixed", "offload_activations": True}, ["--offload_activations"]),
     ],
 )
@@ -323,7 +323,7 @@ def test_the_recommendation_is_a_whole_run_whose_flags_the_recipe_accepts(settin
     task, args = parse_args(load_recipe("causal_lm").TaskArguments, flags)
     assert (args.per_device_train_batch_size, args.effective_batch_size, task.block_size) == (4, 32, 1024)
     assert args.gradient_checkpointing and args.model_dtype == (
-        "bfloat16" if "--model_dtype bfloat16" in line else "float32"
+        "bfloat16" if "--model_dtype=bfloat16" in line else "float32"
     )
     assert task.load_in_4bit == settings.get("load_in_4bit", False) and args.offload_activations == settings.get(
         "offload_activations", False
