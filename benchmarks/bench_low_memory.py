@@ -68,7 +68,10 @@ def state_bytes(model_dir: str | None, dtype: str, optim: str) -> dict:
     def nbytes(tensors):
         return sum(t.numel() * t.element_size() for t in tensors) / 2**30
 
-    state = [v for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim()]
+    # bitsandbytes' qmap1/qmap2 code books are one shared tensor, referenced from every state.
+    state = [
+        v for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() and "qmap" not in k
+    ]
     measured = {
         "weights": nbytes(model.parameters()),
         "gradients": nbytes(p.grad for p in model.parameters()),

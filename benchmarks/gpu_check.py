@@ -388,60 +388,38 @@ def packed_rows(model_dir: Path, block: int, count: int) -> list[dict]:
     ]
 
 
-def timed_rates(stamps: list[float], sequences: int) -> float:
+def timed_rates(clock, sequences: int) -> float:
     """Sequences per second: the median over updates, the first 2 (warm-up) left out."""
-    rates = [sequences / (b - a) for a, b in zip(stamps, stamps[1:])]
+    rates = clock.rates(sequences)
     return statistics.median(rates[2:] if len(rates) > 3 else rates)
 
 
-def sync_now() -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()
+def cuda_peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
 def run_plain(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
-    from transformers import AutoModelForCausalLM, default_data_collator, get_scheduler
+    from transformers import AutoModelForCausalLM, default_data_collator
+
+    from ft_accum.benchmarking import plain_accumulation_loop
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(42)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
     loader = torch.utils.data.DataLoader(rows, batch_size=micro, shuffle=True, collate_fn=default_data_collator)
-    model.train()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    stamps = [sync_now()]
-    for i, batch in enumerate(loader):
-        batch = {k: v.to(device) for k, v in batch.items()}
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = model(**batch).loss
-        (loss / accumulation).backward()
-        if (i + 1) % accumulation == 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            stamps.append(sync_now())
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-    return timed_rates(stamps, micro * accumulation), peak
+    clock = plain_accumulation_loop(model, loader, updates, accumulation, 1e-4, autocast_dtype=torch.bfloat16)
+    return timed_rates(clock, micro * accumulation), cuda_peak_gib()
 
 
 def run_trainer(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments, default_data_collator
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
+    from ft_accum.benchmarking import UpdateClock, trainer_callback
     from ft_accum.testing import reset_accelerate_state
 
-    stamps = []
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *args, **kwargs):
-            stamps.append(sync_now())
-
-        def on_step_end(self, *args, **kwargs):
-            stamps.append(sync_now())
-
+    clock = UpdateClock()
     torch.manual_seed(42)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if torch.cuda.is_available():
@@ -454,11 +432,11 @@ def run_trainer(model_dir, rows, micro, accumulation, updates) -> tuple[float, f
             use_cpu=not torch.cuda.is_available(), disable_tqdm=True, optim="adamw_torch_fused", seed=42,
         )  # fmt: skip
         Trainer(
-            model=model, args=args, train_dataset=rows, data_collator=default_data_collator, callbacks=[Clock()]
-        ).train()
+            model=model, args=args, train_dataset=rows, data_collator=default_data_collator,
+            callbacks=[trainer_callback(clock)],
+        ).train()  # fmt: skip
     reset_accelerate_state()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-    return timed_rates(stamps, micro * accumulation), peak
+    return timed_rates(clock, micro * accumulation), cuda_peak_gib()
 
 
 def run_recipe(model_dir, rows, micro, accumulation, updates, *flags: str) -> tuple[float, float]:

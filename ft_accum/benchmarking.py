@@ -11,17 +11,26 @@ import statistics
 import time
 
 
+def now() -> float:
+    """perf_counter once the GPU has finished its queued work (CUDA runs asynchronously)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 class UpdateClock:
     """Call `tick()` after each optimizer update; `rates(n)` gives n / seconds for each update."""
 
     def __init__(self):
-        self.stamps = [time.perf_counter()]
+        self.stamps = [now()]
 
     def restart(self):
-        self.stamps = [time.perf_counter()]
+        self.stamps = [now()]
 
     def tick(self):
-        self.stamps.append(time.perf_counter())
+        self.stamps.append(now())
 
     def rates(self, items_per_update: float) -> list[float]:
         return [items_per_update / (b - a) for a, b in zip(self.stamps, self.stamps[1:])]
@@ -57,19 +66,31 @@ def summarize(runs: dict[str, list[dict]], key: str, baseline: str = "plain") ->
     }
 
 
-def plain_accumulation_loop(model, loader, updates: int, accumulation: int, learning_rate: float) -> UpdateClock:
+def plain_accumulation_loop(
+    model, loader, updates: int, accumulation: int, learning_rate: float, autocast_dtype=None
+) -> UpdateClock:
     """The baseline every benchmark compares against: the tutorial loop (`loss / N`, step every N
-    micro-batches), AdamW on the trainable parameters, a linear schedule, clipping at 1.0."""
+    micro-batches), AdamW on the trainable parameters without weight decay (as the recipes and the
+    Trainer are run beside it), a linear schedule, clipping at 1.0. The batches go to the model's
+    device; `autocast_dtype` (bf16 on a GPU) runs the forward under autocast."""
+    import contextlib
+
     import torch
     from transformers import get_scheduler
 
     # fused: what the recipes and the Trainer use, so that only the loop differs between contenders (issue 16)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate, fused=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=learning_rate, weight_decay=0.0, fused=True)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=updates)
+    device = trainable[0].device
+    autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     model.train()
     clock = UpdateClock()
     for i, batch in enumerate(loader):
-        (model(**batch).loss / accumulation).backward()
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast:
+            loss = model(**batch).loss
+        (loss / accumulation).backward()
         if (i + 1) % accumulation == 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

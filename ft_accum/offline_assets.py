@@ -220,6 +220,12 @@ def load_punctuation_restoration(words_per_example: int = 64, seed: int = 42) ->
     return datasets.DatasetDict(splits)
 
 
+def title_and_body(text: str) -> tuple[str, list[str]]:
+    """A BBC article file's title (its first line, stripped) and the words of its body (the rest)."""
+    title, _, body = text.partition("\n")
+    return title.strip(), body.split()
+
+
 def load_bbc_headlines(seed: int = 42) -> datasets.DatasetDict:
     """BBC News articles → their headlines: a real summarisation-style task, offline.
 
@@ -228,11 +234,8 @@ def load_bbc_headlines(seed: int = 42) -> datasets.DatasetDict:
     """
 
     def split_title(rows):
-        parts = [text.split("\n", 1) for text in rows["text"]]
-        return {
-            "source": [" ".join(p[1].split()) if len(p) > 1 else "" for p in parts],
-            "target": [p[0].strip() for p in parts],
-        }
+        parts = [title_and_body(text) for text in rows["text"]]
+        return {"source": [" ".join(words) for _, words in parts], "target": [title for title, _ in parts]}
 
     news = load_bbc_news(seed=seed)
     return news.map(split_title, batched=True, remove_columns=news["train"].column_names)
@@ -257,9 +260,9 @@ def load_bbc_instructions(seed: int = 42, body_words: int = 50) -> datasets.Data
     def to_messages(rows):
         messages = []
         for text, label in zip(rows["text"], rows["label"]):
-            title, _, body = text.partition("\n")
-            excerpt = " ".join(body.split()[:body_words])
-            for question, answer in ((TOPIC_QUESTION, topics[label]), (HEADLINE_QUESTION, title.strip())):
+            title, words = title_and_body(text)
+            excerpt = " ".join(words[:body_words])
+            for question, answer in ((TOPIC_QUESTION, topics[label]), (HEADLINE_QUESTION, title)):
                 messages.append(
                     [
                         {"role": "user", "content": f"{question}\n\n{excerpt}"},

@@ -210,3 +210,17 @@ class OutputLoss:
                 for i in range(len(labels))
             ]
         return torch.stack([loss for loss, _ in rows]), torch.stack([n for _, n in rows])
+
+    @torch.no_grad()
+    def mean_loss(self, model, dataloader, accelerator, model_inputs) -> float:
+        """The loss per target token over a whole (evaluation) dataloader, on all processes together:
+        the exact mean, Σ losses / Σ targets, not a mean of batch means. `model_inputs(batch)` picks
+        the model's inputs; `gather_for_metrics` drops the rows Accelerate repeated to even out the
+        last batch."""
+        loss_sum, tokens = 0.0, 0
+        for batch in dataloader:
+            row_losses, row_tokens = accelerator.gather_for_metrics(
+                self.per_row(model, batch["labels"], **model_inputs(batch))
+            )
+            loss_sum, tokens = loss_sum + row_losses.sum().item(), tokens + int(row_tokens.sum())
+        return loss_sum / tokens

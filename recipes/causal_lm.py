@@ -193,15 +193,9 @@ def model_inputs(batch):
 def evaluate_perplexity(model, eval_dataloader, accelerator, output_loss):
     """exp(total loss / total target tokens) over the validation set, on all processes together."""
     model.eval()
-    loss_sum, tokens = 0.0, 0
-    for batch in eval_dataloader:
-        per_row = output_loss.per_row(model, batch["labels"], **model_inputs(batch))
-        # gather_for_metrics drops the rows Accelerate repeated to even out the last batch.
-        row_losses, row_tokens = accelerator.gather_for_metrics(per_row)
-        loss_sum += row_losses.sum().item()
-        tokens += int(row_tokens.sum())
+    loss = output_loss.mean_loss(model, eval_dataloader, accelerator, model_inputs)
     model.train()
-    return {"eval_loss": loss_sum / tokens, "eval_perplexity": math.exp(min(loss_sum / tokens, 50))}
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50))}
 
 
 def training_step(model, batch, output_loss):

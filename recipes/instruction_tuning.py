@@ -194,12 +194,7 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, 
     """The assistant-token loss over the validation set, and the exact match of greedy answers to
     the questions whose reference answer has at most --exact_match_max_words words."""
     model.eval()
-    loss_sum, tokens = 0.0, 0
-    for batch in eval_dataloader:
-        row_losses, row_tokens = accelerator.gather_for_metrics(
-            output_loss.per_row(model, batch["labels"], **model_inputs(batch))
-        )
-        loss_sum, tokens = loss_sum + row_losses.sum().item(), tokens + int(row_tokens.sum())
+    loss = output_loss.mean_loss(model, eval_dataloader, accelerator, model_inputs)
     short = [c for c in conversations if len(c[-1]["content"].split()) <= task.exact_match_max_words]
     short = short[accelerator.process_index :: accelerator.num_processes]
     tokenizer.padding_side, hits = "left", 0  # generation continues from the right end of each prompt
@@ -215,7 +210,6 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, 
     tokenizer.padding_side = "right"
     hits, count = accelerator.reduce(torch.tensor([hits, len(short)], device=accelerator.device), "sum").tolist()
     model.train()
-    loss = loss_sum / tokens
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50)), "eval_exact_match": hits / max(count, 1)}
 
 

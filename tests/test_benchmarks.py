@@ -94,6 +94,15 @@ def test_low_memory_benchmark_runs_quick(tmp_path):
         )
 
 
+def test_optimizer_candidates_benchmark_runs_quick(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    run_script("bench_optimizer_candidates.py", "--quick", "--output", str(tmp_path / "candidates.json"))
+    results = json.loads((tmp_path / "candidates.json").read_text())["results"]
+    eight_bit = results["bitsandbytes AdamW8bit"]
+    assert eight_bit["state_bytes_per_parameter"] == pytest.approx(2 * (1 + 4 / 256))
+    assert 0 < eight_bit["distance_to_fp32_adamw_over_its_move"] < 0.1
+
+
 @pytest.mark.launch
 def test_gpu_check_dry_run_exercises_every_check_it_can_on_cpu(tmp_path):
     """The GPU check must not first break on the GPU machine: its dry run runs checks 1–4 on CPU."""
