@@ -5,9 +5,10 @@ What the low-memory full fine-tune trades (issue 17), on this machine. Needs the
 1. Quality. recipes/causal_lm.py fully fine-tunes the bundled, pretrained SmolLM2-135M on BBC News
    text (packed 64-token blocks, 16 per update, 24 updates, LR 5e-5 with 4 warmup updates, fp32
    compute on CPU), four times with the same seed and data:
-     fp32 weights + AdamW (the default), fp32 + 8-bit AdamW, bf16 weights + AdamW, and
+     fp32 weights + AdamW (the default), fp32 + 8-bit AdamW, bf16 weights + AdamW,
      bf16 weights + 8-bit AdamW (`--model_dtype bfloat16 --optim adamw_8bit`, what fits
-     Qwen2.5-1.5B on a 12 GB card).
+     Qwen2.5-1.5B on a 12 GB card), and the same with stochastic rounding of the bf16 weights
+     (`--optim adamw_torch_8bit`, torchao).
    It reports each run's training-loss curve, its gap to the default's, and the eval perplexity.
 2. Bytes. The weights, gradients and optimizer state of SmolLM2-135M after one real step in each
    configuration, summed over the real tensors, beside the planner's prediction.
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ft_accum import memory_planner
-from ft_accum.benchmarking import machine_info, run_recipe
+from ft_accum.benchmarking import machine_info, optimizer_state_bytes, run_recipe
 from ft_accum.run_setup import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +36,7 @@ CONFIGURATIONS = {
     "fp32 + 8-bit AdamW": ("float32", "adamw_8bit"),
     "bf16 + AdamW": ("bfloat16", "adamw_torch"),
     "bf16 + 8-bit AdamW": ("bfloat16", "adamw_8bit"),
+    "bf16 + 8-bit AdamW, stochastic rounding": ("bfloat16", "adamw_torch_8bit"),
 }
 UPDATES = 24
 
@@ -68,17 +70,15 @@ def state_bytes(model_dir: str | None, dtype: str, optim: str) -> dict:
     def nbytes(tensors):
         return sum(t.numel() * t.element_size() for t in tensors) / 2**30
 
-    # bitsandbytes' qmap1/qmap2 code books are one shared tensor, referenced from every state.
-    state = [
-        v for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() and "qmap" not in k
-    ]
     measured = {
         "weights": nbytes(model.parameters()),
         "gradients": nbytes(p.grad for p in model.parameters()),
-        "optimizer_state": nbytes(state),
+        "optimizer_state": optimizer_state_bytes(optimizer) / 2**30,
     }
-    predicted_state = sum(  # the planner's count: 8-bit blocks, or two moments in the weights' dtype
-        memory_planner.low_bit_state_bytes(p.numel(), optim) if optim == "adamw_8bit" else 2 * p.nbytes
+    # The planner's count: 8-bit blocks (the same for bitsandbytes and torchao), or two moments in the weights' dtype.
+    low_bit = optim in ("adamw_8bit", "adamw_torch_8bit")
+    predicted_state = sum(
+        memory_planner.low_bit_state_bytes(p.numel(), "adamw_8bit") if low_bit else 2 * p.nbytes
         for p in model.parameters()
     )
     return measured | {"predicted_optimizer_state": predicted_state / 2**30}
@@ -104,9 +104,9 @@ def plot(curves: dict[str, list[float]], path: Path) -> bool:
     return True
 
 
-def measure(model_dir: str | None, quick: bool, data: list[str]) -> dict:
-    runs = {}
-    for name, (dtype, optim) in CONFIGURATIONS.items():
+def measure(model_dir: str | None, quick: bool, data: list[str], names: list[str], runs: dict) -> dict:
+    for name in names:
+        dtype, optim = CONFIGURATIONS[name]
         results, records = train(model_dir, dtype, optim, quick, data)
         runs[name] = {
             "losses": [r["loss"] for r in records],
@@ -136,6 +136,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny model, 3 updates, in this process: a smoke test")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "low_memory.json")
+    parser.add_argument("--configurations", nargs="*", choices=list(CONFIGURATIONS), help="run only these")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data = None, []
@@ -145,7 +146,10 @@ def main():
             model_dir = str(make_tiny_lm("llama", Path(tmp) / "lm", width=64))
             for split, seed in (("train", 1), ("validation", 2)):
                 data.append(f"--{split}_file={write_jsonl(Path(tmp) / f'{split}.jsonl', make_documents(40, seed))}")
-        results = measure(model_dir, args.quick, data)
+        names = [n for n in CONFIGURATIONS if not args.configurations or n in args.configurations]
+        # --configurations reruns some runs and keeps the others' last figures from --output.
+        previous = json.loads(args.output.read_text())["runs"] if args.configurations and args.output.is_file() else {}
+        results = measure(model_dir, args.quick, data, names, previous)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
     curves = {name: run["losses"] for name, run in results["runs"].items()}

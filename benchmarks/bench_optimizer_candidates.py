@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ft_accum.benchmarking import machine_info
+from ft_accum.benchmarking import machine_info, optimizer_state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,17 +44,6 @@ def candidates() -> dict:
     return found
 
 
-def state_bytes(optimizer) -> float:
-    total = 0
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() and not key.startswith("qmap"):  # code books are shared
-                # torchao's states are tensor subclasses: count their inner tensors
-                inner = [getattr(value, n) for n in getattr(value, "__tensor_flatten__", lambda: ([], None))()[0]]
-                total += sum(t.numel() * t.element_size() for t in inner) or value.numel() * value.element_size()
-    return total
-
-
 def measure(size: int, steps: int) -> dict:
     torch.manual_seed(0)
     start = torch.randn(size, size) * 0.02
@@ -73,7 +62,7 @@ def measure(size: int, steps: int) -> dict:
         results[name] = {
             "first_step_seconds": seconds[0],
             "step_seconds": statistics.median(seconds[1:]),
-            "state_bytes_per_parameter": state_bytes(optimizer) / weight.numel(),
+            "state_bytes_per_parameter": optimizer_state_bytes(optimizer) / weight.numel(),
         }
     reference = finals["torch fused AdamW (fp32 states)"]
     moved = float((reference - start).norm())

@@ -31,7 +31,7 @@ from ft_accum.errors import ConfigError, one_line_errors
 from ft_accum.lr_scaling import POLICIES, scale_learning_rate
 
 T = TypeVar("T")
-OPTIMIZERS = ("adamw_torch", "adamw_8bit", "sgd")
+OPTIMIZERS = ("adamw_torch", "adamw_8bit", "adamw_torch_8bit", "sgd")
 
 
 @dataclass

@@ -36,6 +36,23 @@ class UpdateClock:
         return [items_per_update / (b - a) for a, b in zip(self.stamps, self.stamps[1:])]
 
 
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of an optimizer's per-parameter state tensors, as stored: torchao's quantized states are
+    tensor subclasses whose inner tensors are counted; bitsandbytes' `qmap` code books are one
+    shared tensor and are left out; scalar `step` counters too."""
+    import torch
+
+    total = 0
+    for state in getattr(optimizer, "optimizer", optimizer).state.values():
+        for key, value in state.items():
+            if not torch.is_tensor(value) or not value.dim() or key.startswith("qmap"):
+                continue
+            names = value.__tensor_flatten__()[0] if hasattr(value, "__tensor_flatten__") else []
+            inner = [getattr(value, name) for name in names]
+            total += sum(t.numel() * t.element_size() for t in inner) or value.numel() * value.element_size()
+    return total
+
+
 def steady_rate(rates: list[float]) -> float:
     """Median per-update rate, the first update (warm-up: allocations, first-call overheads) left out."""
     return statistics.median(rates[1:] if len(rates) > 1 else rates)

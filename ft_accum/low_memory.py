@@ -93,6 +93,25 @@ def adamw_8bit(param_groups, learning_rate: float):
     return bitsandbytes.optim.AdamW8bit(param_groups, lr=learning_rate)
 
 
+def adamw_8bit_stochastic_rounding(param_groups, learning_rate: float, bf16_weights: bool):
+    """torchao's 8-bit AdamW, which rounds bf16 weights stochastically (`--optim adamw_torch_8bit`).
+
+    A bf16 weight rounded to nearest keeps no update smaller than half its spacing, 2^-9 of the
+    weight: at fine-tuning LRs most updates are smaller, and are lost. Rounding up or down with
+    probability proportional to the distance keeps each update in expectation (Zamirai et al. 2020,
+    "Revisiting BFloat16 Training", arXiv:2010.06192), at no memory cost. bitsandbytes' optimizers
+    round to nearest. torchao compiles its step with torch.compile: the first updates are slow.
+    """
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError:
+        raise ConfigError(
+            "--optim adamw_torch_8bit needs torchao, which is not installed; pip install torchao (matching your "
+            "torch), or use --optim adamw_8bit"
+        ) from None
+    return AdamW8bit(param_groups, lr=learning_rate, bf16_stochastic_round=bf16_weights)
+
+
 def offloads(tensor: torch.Tensor) -> bool:
     """Whether activation offloading moves this saved tensor: not a weight, and not a small one."""
     return not isinstance(tensor, torch.nn.Parameter) and tensor.numel() >= MIN_OFFLOAD_ELEMENTS

@@ -12,7 +12,7 @@ from accelerate.utils import GradientAccumulationPlugin
 
 from ft_accum.banner import format_banner
 from ft_accum.loading import describe_dtypes
-from ft_accum.low_memory import adamw_8bit
+from ft_accum.low_memory import adamw_8bit, adamw_8bit_stochastic_rounding
 from ft_accum.lr_scaling import describe_lr_scaling
 from ft_accum.run_outputs import check_accelerator, prepare_output_dir, resolve_report_to
 
@@ -64,6 +64,8 @@ def build_optimizer(
         return torch.optim.SGD(groups, lr=learning_rate, momentum=0.9)
     if args.optim == "adamw_8bit":
         return adamw_8bit(groups, learning_rate)
+    if args.optim == "adamw_torch_8bit":
+        return adamw_8bit_stochastic_rounding(groups, learning_rate, bf16_weights=args.model_dtype == "bfloat16")
     return torch.optim.AdamW(groups, lr=learning_rate, fused=True)
 
 

@@ -220,7 +220,7 @@ class RunTracker:
         skipped = self.accelerator.optimizer_step_was_skipped
         state.complete_update(totals, plan, skipped, scheduler_steps, args.max_consecutive_skipped_updates)
         record = state.record(
-            totals, plan, lr_scheduler.get_last_lr()[0], self.clock.lap(), batches_per_epoch, **columns
+            totals, plan, float(lr_scheduler.get_last_lr()[0]), self.clock.lap(), batches_per_epoch, **columns
         )
         log_update(self.accelerator, args.output_dir, record, self.progress, scheduler_steps)
         stopping = self.stop is not None and self.stop.requested(self.accelerator)

@@ -18,6 +18,8 @@ The settings that matter:
   document is truncated to --block_size and padded per micro-batch.
 - --use_lora (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules) needs peft;
   --gradient_checkpointing trades ~30% speed for activation memory and works with LoRA.
+- --load_in_4bit (with --use_lora) is QLoRA, a frozen NF4 base; --optim adamw_8bit keeps 8-bit AdamW
+  states; both need the [lowmem] extra (docs/low_memory.md).
 - Precision and processes come from the Accelerate config (accelerate_configs/), not from here.
 
 Outputs in --output_dir: final/ (the model, or the LoRA adapter), final_merged/ (--merge_lora),

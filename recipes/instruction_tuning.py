@@ -24,6 +24,8 @@ The settings that matter:
 - --packing puts several conversations in one row, with position ids restarting per conversation
   so that they cannot attend to each other (no padding, no cross-talk).
 - --use_lora (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules) needs peft.
+- --load_in_4bit (with --use_lora) is QLoRA, a frozen NF4 base; --optim adamw_8bit keeps 8-bit AdamW
+  states; both need the [lowmem] extra (docs/low_memory.md).
 
 Outputs in --output_dir: final/ (the model, or the LoRA adapter), final_merged/ (--merge_lora),
 metrics.jsonl (one line per optimizer update), all_results.json, checkpoints/step_XXXXXX/.

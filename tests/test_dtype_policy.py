@@ -53,3 +53,14 @@ def test_lora_freezes_its_base_in_the_mixed_precision_dtype(
     run_in_process("causal_lm", [*args, "--use_lora", "--lora_target_modules=q_proj,v_proj"])
     banner = capsys.readouterr().out
     assert "weights float32, frozen bfloat16; compute bfloat16 (autocast); optimizer state float32" in banner
+
+
+def test_lora_adapters_take_the_model_dtype(tmp_path, bf16_checkpoint, lm_data_files, capsys):
+    """The adapters are the trained weights: --model_dtype bfloat16 makes them (and their AdamW state) bf16."""
+    from safetensors.torch import load_file
+
+    args = tiny_lm_args(bf16_checkpoint, lm_data_files, tmp_path, per_device_train_batch_size=4, max_train_steps=1)
+    run_in_process("causal_lm", [*args, "--use_lora", "--lora_target_modules=q_proj,v_proj", "--model_dtype=bfloat16"])
+    assert "weights bfloat16, frozen bfloat16" in capsys.readouterr().out
+    adapter = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))
+    assert adapter and {w.dtype for w in adapter.values()} == {torch.bfloat16}
