@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer",
         default="adamw",
         choices=memory_planner.OPTIMIZERS,
-        help="adamw_8bit: bitsandbytes' 8-bit states (the recipes' --optim adamw_8bit); adamw_4bit: torchao's, "
+        help="adamw_8bit: 8-bit states (the recipes' --optim adamw_8bit, or adamw_torch_8bit for bf16 weights); "
+        "adamw_4bit: torchao's, "
         "planned for comparison, not in the recipes",
     )
     plan.add_argument("--lora_r", type=int, default=None, help="plan a LoRA run of this rank (needs peft)")

@@ -687,8 +687,11 @@ def recipe_flags(settings: dict) -> list[str]:
     flags = []
     if settings.get("precision") == "bf16" and not settings.get("lora_r"):
         flags.append("--model_dtype=bfloat16")
+    bf16_weights = bool(flags)
     flags += {
-        "adamw_8bit": ["--optim=adamw_8bit"],
+        # bf16 weights round small updates away unless rounded stochastically (docs/low_memory.md):
+        # torchao's 8-bit AdamW does that, in the same bytes as bitsandbytes'.
+        "adamw_8bit": ["--optim=adamw_torch_8bit" if bf16_weights else "--optim=adamw_8bit"],
         "sgd": ["--optim=sgd"],
         "adamw_4bit": ["(4-bit AdamW: torchao's, not in the recipes; see docs/low_memory.md)"],
     }.get(settings.get("optimizer", "adamw"), [])

@@ -300,7 +300,8 @@ def test_qlora_8b_and_low_memory_full_fine_tuning_of_1_5b_are_planned_to_fit_12_
 @pytest.mark.parametrize(
     "settings, expected",
     [
-        ({"precision": "bf16", "optimizer": "adamw_8bit"}, ["--model_dtype=bfloat16", "--optim=adamw_8bit"]),
+        ({"precision": "bf16", "optimizer": "adamw_8bit"}, ["--model_dtype=bfloat16", "--optim=adamw_torch_8bit"]),
+        ({"precision": "bf16-mixed", "optimizer": "adamw_8bit"}, ["--optim=adamw_8bit"]),
         ({"precision": "bf16", "lora_r": 16, "load_in_4bit": True}, ["--use_lora --lora_r=16", "--load_in_4bit"]),
         ({"precision": "bf16-mixed", "offload_activations": True}, ["--offload_activations"]),
     ],
