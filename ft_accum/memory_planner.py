@@ -274,12 +274,16 @@ def low_bit_state_bytes(numel: int, optimizer: str) -> float:
 
 
 def quantized_weights(model) -> list[torch.Tensor]:
-    """The weights a BitsAndBytesConfig(load_in_4bit=True) quantizes: every frozen nn.Linear's, except the output layer's."""
+    """The weights a BitsAndBytesConfig(load_in_4bit=True) quantizes: every frozen nn.Linear's (and
+    GPT-2's Conv1D's, which transformers' bitsandbytes integration converts too), except the output layer's."""
+    from transformers.pytorch_utils import Conv1D
+
     output = model.get_output_embeddings()
+    # Exact types: peft's LoRA wrappers are also called Linear, and would count their base layer twice.
     return [
         m.weight
         for m in model.modules()
-        if type(m) is torch.nn.Linear and m is not output and not m.weight.requires_grad
+        if type(m) in (torch.nn.Linear, Conv1D) and m is not output and not m.weight.requires_grad
     ]
 
 
@@ -390,6 +394,12 @@ def trace_micro_batches(
                 )
             if gradient_checkpointing:
                 model.enable_input_require_grads()
+        if load_in_4bit:  # peft's k-bit preparation: frozen unquantized weights in fp32, but the embeddings and head
+            kept = [w for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m for w in [m.weight]]
+            kept = {id(w) for w in [*quantized_weights(model), *kept]}
+            for parameter in model.parameters():
+                if not parameter.requires_grad and id(parameter) not in kept:
+                    parameter.data = parameter.data.float()
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = build_optimizer(optimizer, trainable)
