@@ -61,7 +61,7 @@ def state_bytes(model_dir: str | None, dtype: str, optim: str) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir or bundled_smollm2_dir())
     model = model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
-    settings = argparse.Namespace(optim=optim, weight_decay=0.0)
+    settings = argparse.Namespace(optim=optim, weight_decay=0.0, model_dtype=dtype)
     optimizer = build_optimizer(model, settings, 1e-5, ())
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -107,12 +107,13 @@ def plot(curves: dict[str, list[float]], path: Path) -> bool:
 def measure(model_dir: str | None, quick: bool, data: list[str], names: list[str], runs: dict) -> dict:
     for name in names:
         dtype, optim = CONFIGURATIONS[name]
+        bytes_gib = state_bytes(model_dir, dtype, optim)
         results, records = train(model_dir, dtype, optim, quick, data)
         runs[name] = {
             "losses": [r["loss"] for r in records],
             "eval_perplexity": results["eval_perplexity"],
             "initial_eval_perplexity": results["initial_eval_perplexity"],
-            "bytes_gib": state_bytes(model_dir, dtype, optim),
+            "bytes_gib": bytes_gib,
         }
         print(f"{name}: final loss {records[-1]['loss']:.4f}, eval perplexity {results['eval_perplexity']:.2f}",
               file=sys.stderr)  # fmt: skip

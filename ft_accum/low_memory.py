@@ -55,15 +55,16 @@ def quantization_config(mixed_precision: str):
 
 
 def prepare_4bit_model(model, mixed_precision: str):
-    """peft's k-bit preparation (every weight frozen; the unquantized ones, norms included, cast to
-    fp32 for stable norms), then, under bf16 mixed precision, the embeddings and the output layer
-    back to bf16; return the model.
+    """peft's k-bit preparation (every weight frozen; the unquantized ones, norms and embeddings
+    included, cast to fp32), then, under bf16 mixed precision, those back to bf16; return the model.
 
-    The embeddings and the output layer are not quantized and stay frozen under LoRA. In fp32
-    they would hold 2 × vocabulary × hidden × 4 bytes: 4.2 GB for Llama-3.1-8B's 128k vocabulary,
-    enough to push its QLoRA over a 12 GB card. In bf16 they hold half that, and bf16 autocast
-    computes with them in bf16 anyway. Without autocast (a CPU run in fp32) a bf16 output layer
-    would meet fp32 hidden states, so they stay fp32. Checkpointing is left to the recipe, which
+    peft's fp32 cast is for fp16, whose range a norm can overflow; bf16 has fp32's range. Under
+    bf16 it costs twice: the embeddings and output layer in fp32 hold 2 × vocabulary × hidden × 4
+    bytes (4.2 GB for Llama-3.1-8B's 128k vocabulary, enough to push its QLoRA past 12 GB), and
+    fp32 norm weights turn the hidden states fp32 (a Llama RMSNorm returns weight × hidden), which
+    doubles the activations: the planner predicted GPT-2's QLoRA step at 9.7 GiB with them, 6.1
+    without. So they stay fp32 under fp16 and in an fp32 run (where bf16 weights would meet fp32
+    hidden states), and go back to bf16 under bf16. Checkpointing is left to the recipe, which
     enables it the same way for every model.
     """
     from ft_accum.lora import import_peft
@@ -75,9 +76,10 @@ def prepare_4bit_model(model, mixed_precision: str):
         # and the gradient through the frozen layers is silently dropped (seen with 0.50.2).
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
-        if module is not None and mixed_precision == "bf16":
-            module.to(torch.bfloat16)
+    if mixed_precision == "bf16":
+        for parameter in model.parameters():
+            if parameter.dtype == torch.float32:  # the 4-bit weights are uint8 and stay so
+                parameter.data = parameter.data.to(torch.bfloat16)
     return model
 
 

@@ -394,11 +394,12 @@ def trace_micro_batches(
                 )
             if gradient_checkpointing:
                 model.enable_input_require_grads()
-        if load_in_4bit:  # peft's k-bit preparation: frozen unquantized weights in fp32, but the embeddings and head
-            kept = [w for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m for w in [m.weight]]
-            kept = {id(w) for w in [*quantized_weights(model), *kept]}
+        if load_in_4bit and precision not in ("bf16", "bf16-mixed"):
+            # low_memory.prepare_4bit_model: peft's fp32 cast of the frozen unquantized weights stays
+            # (fp16, fp32); under bf16 everything unquantized is bf16, as the model is built here.
+            quantized_ids = {id(w) for w in quantized_weights(model)}
             for parameter in model.parameters():
-                if not parameter.requires_grad and id(parameter) not in kept:
+                if not parameter.requires_grad and id(parameter) not in quantized_ids:
                     parameter.data = parameter.data.float()
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
