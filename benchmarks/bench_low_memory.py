@@ -98,7 +98,7 @@ def plot(curves: dict[str, list[float]], path: Path) -> bool:
     ax.set_xlabel("optimizer update")
     ax.set_ylabel("training loss (per target token)")
     ax.set_title("SmolLM2-135M full fine-tune, same seed and data")
-    ax.legend()
+    ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
@@ -138,7 +138,14 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a tiny model, 3 updates, in this process: a smoke test")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "low_memory.json")
     parser.add_argument("--configurations", nargs="*", choices=list(CONFIGURATIONS), help="run only these")
+    parser.add_argument("--plot_only", action="store_true", help="redraw the plot from --output, run nothing")
     args = parser.parse_args()
+    if args.plot_only:
+        runs = json.loads(args.output.read_text())["runs"]
+        plot(
+            {name: run["losses"] for name, run in runs.items()}, args.output.with_name(args.output.stem + "_loss.png")
+        )
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data = None, []
         if args.quick:  # a tiny model with a word tokenizer, on text made of its words

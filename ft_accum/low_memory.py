@@ -1,13 +1,14 @@
 """What fits a bigger model on a small card (issue 17): a 4-bit base (QLoRA), 8-bit AdamW states, and
 activations offloaded to host memory.
 
-The 4-bit weights and the 8-bit optimizer come from bitsandbytes, in the `[lowmem]` extra
-(`pip install -e ".[lowmem]"`), never in the default install. bitsandbytes was chosen over torchao
-for both: one package does both jobs (transformers' NF4 loading needs it anyway), its kernels also
-run on CPU (so CI tests the real quantization, not a mock), its optimizer state is plain tensors
-in an ordinary `state_dict` (checkpoints and resume unchanged), and its step needs no
-`torch.compile` warm-up (torchao's 8-bit AdamW took 7.6 s to compile its first step on our CPU,
-then ran 1.4× slower than bitsandbytes'). docs/low_memory.md has the comparison.
+The 4-bit weights and `--optim adamw_8bit` come from bitsandbytes, `--optim adamw_torch_8bit` from
+torchao; both are in the `[lowmem]` extra (`pip install -e ".[lowmem]"`), never in the default
+install. bitsandbytes does the 4-bit base and the 8-bit states of fp32 weights: transformers' NF4
+loading needs it anyway, its kernels also run on CPU (so CI tests the real quantization, not a
+mock), its state is plain tensors in an ordinary `state_dict`, and its step needs no compilation.
+torchao does the 8-bit states of bf16 weights, because it rounds those weights stochastically and
+bitsandbytes rounds to nearest, which lost three quarters of a fine-tune's gain in the quality
+check. docs/low_memory.md has the comparison and the figures.
 """
 
 from __future__ import annotations
