@@ -291,8 +291,8 @@ def test_qlora_8b_and_low_memory_full_fine_tuning_of_1_5b_are_planned_to_fit_12_
     best = full["recommended"]
     assert best and best["fits"] and best["host_gib"] <= 0.8 * 32
     for result, expected in (
-        (qlora, "--use_lora --lora_r 16 --load_in_4bit"),
-        (full, "--model_dtype bfloat16 --optim adamw_8bit"),
+        (qlora, "--use_lora --lora_r=16 --load_in_4bit"),
+        (full, "--model_dtype=bfloat16 --optim=adamw_torch_8bit --offload_activations"),
     ):
         assert expected in result["launch"]
 
