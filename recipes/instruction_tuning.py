@@ -307,7 +307,8 @@ def train(task, args):
         "truncated_train_conversations": train_chats.truncated,
         "dropped_train_conversations": train_chats.dropped,
     }
-    extras = lambda: lora.save_merged(task, accelerator, model, tokenizer, args.output_dir, base_model_name(task))  # noqa: E731
+    base_name = base_model_name(task)
+    extras = lambda: lora.save_merged(task, accelerator, model, tokenizer, args.output_dir, base_name)  # noqa: E731
     return tracker.finish(model, tokenizer, plan, extras, **eval_metrics, **initial, **counts)
 
 
