@@ -71,8 +71,12 @@ def uninterrupted(tmp_path_factory, dropout_model_dir, data):
     return out
 
 
-def start(args: list[str], num_processes: int = 1) -> subprocess.Popen:
-    cmd, env = launch_command("text_classification", args, num_processes)
+FAULT_HOOKS = Path(__file__).parent / "fault_hooks"
+
+
+def start(args: list[str], num_processes: int = 1, env: dict[str, str] | None = None) -> subprocess.Popen:
+    cmd, launch_env = launch_command("text_classification", args, num_processes)
+    env = launch_env | (env or {})
     return subprocess.Popen(
         cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -131,10 +135,17 @@ def test_three_seeded_kills_then_resume_is_bit_identical(tmp_path, dropout_model
             f"update {target}",
             delay=rng.uniform(0, 0.05),
         )
-    # The third kill lands while checkpoint step_<during_write> is being written: its .tmp folder exists.
+    # The third kill lands inside the write of checkpoint step_<during_write>: every file is written,
+    # but the folder is not yet renamed into place (tests/fault_hooks/sitecustomize.py stops it there).
     tmp = out / "checkpoints" / f".tmp-{checkpointing.checkpoint_name(during_write)}"
-    process = start(resume)
-    kill_when(process, tmp.exists, f"the write of checkpoint {during_write}")
+    frozen = tmp_path / "frozen"
+    hook = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_HOOKS), os.environ.get("PYTHONPATH")])),
+        "FT_ACCUM_FREEZE_BEFORE_PUBLISHING": tmp.name,
+        "FT_ACCUM_FROZEN_MARKER": str(frozen),
+    }
+    process = start(resume, env=hook)
+    kill_when(process, frozen.exists, f"the write of checkpoint {during_write}")
     assert tmp.exists(), "the kill did not land inside the checkpoint write"
     assert checkpointing.latest_checkpoint(out).name == checkpointing.checkpoint_name(during_write - 1)
     assert not (out / "final").exists(), "the run finished before the last kill: nothing was resumed"
