@@ -695,10 +695,9 @@ def launch_line(result: dict) -> str | None:
 
 def recipe_flags(settings: dict) -> list[str]:
     """The recipe's command-line words for a plan's dtype, optimizer, LoRA, 4-bit and offloading settings."""
-    flags = []
-    if settings.get("precision") == "bf16" and not settings.get("lora_r"):
-        flags.append("--model_dtype=bfloat16")
-    bf16_weights = bool(flags)
+    # The planner's "bf16" is bf16 weights in full fine-tuning; under LoRA only the frozen base is bf16.
+    bf16_weights = settings.get("precision") == "bf16" and not settings.get("lora_r")
+    flags = ["--model_dtype=bfloat16"] if bf16_weights else []
     flags += {
         # bf16 weights round small updates away unless rounded stochastically (docs/low_memory.md):
         # torchao's 8-bit AdamW does that, in the same bytes as bitsandbytes'.
