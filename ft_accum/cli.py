@@ -35,6 +35,8 @@ def plan_command(args: argparse.Namespace) -> int:
         load_in_4bit=args.load_in_4bit,
         offload_activations=args.offload_activations,
         host_memory_gib=memory_planner.parse_memory(args.host_memory) if args.offload_activations else None,
+        gpu_tflops=args.gpu_tflops,
+        pcie_gbps=args.pcie_gbps,
     )
     result["seconds"] = round(time.perf_counter() - started, 1)
     if args.json:
@@ -67,7 +69,7 @@ def format_plan(result: dict) -> str:
         f"· {result['precision']} · {result['optimizer']}"
         + (f" · LoRA r={result['lora_r']}" if result["lora_r"] else "")
         + (" · 4-bit base" if result.get("load_in_4bit") else "")
-        + (" · activations offloaded" if result.get("offload_activations") else "")
+        + (" · activation offloading allowed" if result.get("offload_activations") else "")
         + f" · card {result['gpu_memory_gib']:g} GiB (fits: {result['margin']})",
         f"assumes the recipes' step: {result['loss_path']} loss, fused AdamW, "
         + {
@@ -76,14 +78,18 @@ def format_plan(result: dict) -> str:
         }[result["attention"]],
         "",
         f"{'micro':>5} {'accum':>5} {'ckpt':>4} {'peak GiB':>9} {'weights+opt':>11} {'fits':>4} {'rel. speed':>10}"
-        + (f" {'host GiB':>8}" if result.get("offload_activations") else ""),
+        + (f" {'offload':>7} {'host GiB':>8}" if result.get("offload_activations") else ""),
     ]
     for r in result["candidates"]:
         b = r["breakdown_gib"]
         lines.append(
             f"{r['per_device_train_batch_size']:>5} {r['gradient_accumulation_steps']:>5} {'on' if r['gradient_checkpointing'] else 'off':>4} "
             f"{r['peak_gib']:>9.2f} {b['parameters'] + b['optimizer_state']:>11.2f} {'yes' if r['fits'] else 'no':>4} {r['relative_throughput']:>10.2f}"
-            + (f" {r['host_gib']:>8.2f}" if result.get("offload_activations") else "")
+            + (
+                f" {'on' if r['offload_activations'] else 'off':>7} {r['host_gib']:>8.2f}"
+                if result.get("offload_activations")
+                else ""
+            )
         )
     best = result["recommended"]
     lines.append("")
@@ -95,6 +101,14 @@ def format_plan(result: dict) -> str:
             + f"  (predicted peak {best['peak_gib']:.2f} GiB)"
         )
         lines.append(f"as a run:    {memory_planner.launch_line(result)}")
+        if best.get("offload_activations"):
+            lines.append(
+                f"offloading:  {best['host_gib']:.2f} GiB to host memory and back per micro-batch; its copies make the "
+                f"split a predicted {best['offload_slowdown']:.0%} slower (at {result['pcie_gbps']:g} GB/s against "
+                f"{result['gpu_tflops']:g} TFLOP/s; set --pcie_gbps and --gpu_tflops for your machine)"
+            )
+    if result.get("offload_activations"):
+        lines.append("(offloading is tried only for the splits that do not fit without it: it only adds copies)")
     else:
         lines.append(
             "nothing fits: try --precision bf16, --lora_r 16, --optimizer adamw_8bit, a shorter --seq_len, or a smaller model"
@@ -168,9 +182,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="QLoRA: frozen linear weights in NF4 (double quantized), bf16 embeddings and head; needs --lora_r",
     )
     plan.add_argument(
-        "--offload_activations", action="store_true", help="saved activations in host memory (reported as host GiB)"
+        "--offload_activations",
+        action="store_true",
+        help="allow saved activations in host memory: tried where a split does not fit without it, "
+        "its copies priced against compute (reported as host GiB)",
     )
     plan.add_argument("--host_memory", default="32GiB", help="host RAM, for --offload_activations (80%% usable)")
+    plan.add_argument(
+        "--gpu_tflops",
+        type=float,
+        default=memory_planner.ASSUMED_GPU_TFLOPS,
+        help="sustained training TFLOP/s of the card, to price offloading's copies (default %(default)g)",
+    )
+    plan.add_argument(
+        "--pcie_gbps",
+        type=float,
+        default=memory_planner.ASSUMED_PCIE_GBPS,
+        help="pinned host-GPU copy bandwidth in GB/s, to price offloading's copies (default %(default)g)",
+    )
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     plan.set_defaults(handler=plan_command)
 

@@ -28,6 +28,7 @@ Limits, not modelled:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -53,6 +54,10 @@ LOW_BIT_MIN_ELEMENTS = 4096
 # NF4 with double quantization (QLoRA, Dettmers et al. 2023, §3): 4 bits per weight, an 8-bit
 # absmax per 64 weights, and an fp32 constant per 256 of those absmaxes.
 NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
+# The speed model's two hardware assumptions, used only to price activation offloading's copies against
+# compute (`relative_throughput`); `ft-accum plan --gpu_tflops/--pcie_gbps` override them.
+ASSUMED_GPU_TFLOPS = 12.0  # sustained bf16 training throughput of a 12 GB consumer card, at full utilisation
+ASSUMED_PCIE_GBPS = 20.0  # pinned host↔GPU copies over PCIe 4.0 x16 (31.5 GB/s in theory)
 TASKS = ("causal_lm", "text_classification", "token_classification", "seq2seq")
 SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 CATEGORIES = ("parameters", "optimizer_state", "activations_gradients_temporaries")
@@ -372,6 +377,7 @@ def trace_micro_batches(
             "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --lora_r 16"
         )
     torch.manual_seed(0)
+    config = copy.deepcopy(config)  # the model shares it, and checkpointing sets use_cache on it below
     with contextlib.nullcontext() if real_tensors else FakeTensorMode():
         model = build_model(config, task, torch.bfloat16 if precision == "bf16" or load_in_4bit else torch.float32)
         if gradient_checkpointing:
@@ -525,16 +531,48 @@ def fits(peak_bytes: float, gpu_memory_bytes: float) -> bool:
 
 
 def relative_throughput(
-    micro_batch_size: int, seq_len: int, gradient_checkpointing: bool, saturation_tokens: int = 2048
+    micro_batch_size: int,
+    seq_len: int,
+    gradient_checkpointing: bool,
+    saturation_tokens: int = 2048,
+    *,
+    offloaded_bytes: float = 0.0,
+    flops_per_token: float = 0.0,
+    gpu_tflops: float = ASSUMED_GPU_TFLOPS,
+    pcie_gbps: float = ASSUMED_PCIE_GBPS,
 ) -> float:
     """A heuristic, not a measurement: larger micro-batches keep the GPU busier, with diminishing returns.
 
-    Tokens per second ∝ t / (t + saturation_tokens), with t = micro × seq_len tokens per micro-batch
+    Tokens per second ∝ u = t / (t + saturation_tokens), with t = micro × seq_len tokens per micro-batch
     (half speed at 2048 tokens, a rough knee for 0.1–8B models on consumer GPUs); recomputation
     costs one extra forward, ~1/3 of a forward+backward, hence × 3/4.
+
+    With `offloaded_bytes` (per micro-batch, `low_memory.offload_activations`), the copies to host
+    and back take 2 × bytes / PCIe bandwidth, and add to the compute time t × flops_per_token /
+    (gpu_tflops × u × 3/4 if checkpointing), since the recipes copy synchronously:
+    speed × compute / (compute + copies).
     """
     tokens = micro_batch_size * seq_len
-    return tokens / (tokens + saturation_tokens) * (0.75 if gradient_checkpointing else 1.0)
+    speed = tokens / (tokens + saturation_tokens) * (0.75 if gradient_checkpointing else 1.0)
+    if not offloaded_bytes:
+        return speed
+    compute_seconds = tokens * flops_per_token / (gpu_tflops * 1e12 * speed)
+    copy_seconds = 2 * offloaded_bytes / (pcie_gbps * 1e9)
+    return speed * compute_seconds / (compute_seconds + copy_seconds)
+
+
+def training_flops_per_token(config, task: str, trains_base_weights: bool) -> float:
+    """2N per token forward and 4N backward, with N the parameters used in matmuls (all but an untied
+    input embedding): the 6N of Kaplan et al. 2020, "Scaling Laws for Neural Language Models", §2.1.
+    A frozen base (LoRA, QLoRA) computes no weight gradients: 2N backward, 4N in all. Attention's
+    T-dependent FLOPs are left out (small against 6N at the sequence lengths planned here)."""
+    with torch.device("meta"):
+        model = build_model(config, task)
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    parameters = sum(p.numel() for p in model.parameters())
+    if embedding is not None and (output is None or output.weight is not embedding.weight):
+        parameters -= embedding.weight.numel()
+    return 2 * parameters * (3 if trains_base_weights else 2)
 
 
 def candidate_micro_batches(effective_batch_size: int, num_processes: int = 1) -> list[int]:
@@ -565,13 +603,17 @@ def plan(
     load_in_4bit: bool = False,
     offload_activations: bool = False,
     host_memory_gib: float | None = None,
+    gpu_tflops: float = ASSUMED_GPU_TFLOPS,
+    pcie_gbps: float = ASSUMED_PCIE_GBPS,
 ) -> dict[str, Any]:
     """Every exact split of the effective batch, with and without checkpointing: predicted peak, fit, speed.
 
-    The recommendation is the fastest candidate that fits (ties go to the larger micro-batch). With
-    `offload_activations`, a candidate fits only if its offloaded bytes also stay within 80% of
-    `host_memory_gib` (the rest is the OS, the data and Python). The speed heuristic does not
-    count offloading's transfers.
+    The recommendation is the fastest candidate that fits (ties go to the larger micro-batch).
+    `offload_activations` allows offloading, and the planner decides where: it only adds copies, so
+    a split is also traced with it only where the split does not fit without it, and its copies are
+    priced against compute (`relative_throughput`, with `gpu_tflops` and `pcie_gbps`). An offloaded
+    candidate fits only if its host bytes also stay within 80% of `host_memory_gib` (the rest is the
+    OS, the data and Python).
     """
     config = load_model_config(model)
     # The recipes refuse a sequence longer than the model's positions; so must the plan (issue 19).
@@ -587,12 +629,13 @@ def plan(
         "attention": attention,
         "loss_path": loss_path,
         "load_in_4bit": load_in_4bit,
-        "offload_activations": offload_activations,
     }
-    predicted = {False: predict_micro_batches(config, micros, gradient_checkpointing=False, **settings)}
-    smallest = predicted[False][micros[0]]  # traced: the smallest candidate always is
+    card = gpu_memory_gib * GIB
+    # predicted[(gradient_checkpointing, offload_activations)][micro]
+    predicted = {(False, False): predict_micro_batches(config, micros, gradient_checkpointing=False, **settings)}
+    smallest = predicted[(False, False)][micros[0]]  # traced: the smallest candidate always is
     static = smallest.parameters + smallest.optimizer_state
-    if not fits(static, gpu_memory_gib * GIB):
+    if not fits(static, card):
         options = [
             *(["--lora_r 16"] if not lora_r else []),
             *(["--optimizer adamw_8bit or sgd"] if optimizer == "adamw" else []),
@@ -604,28 +647,54 @@ def plan(
             f"the weights and optimizer state alone need {static / GIB:.1f} GiB, more than a {gpu_memory_gib:g} GiB card holds "
             f"with its margin ({FRAGMENTATION}× + {CUDA_OVERHEAD_GIB} GiB); try {', '.join(options)}"
         )
+    predicted[(True, False)] = predict_micro_batches(config, micros, gradient_checkpointing=True, **settings)
+    if offload_activations:
+        for checkpointing in (False, True):
+            needed = [m for m in micros if not fits(predicted[(checkpointing, False)][m].peak, card)]
+            if needed:
+                predicted[(checkpointing, True)] = predict_micro_batches(
+                    config, needed, gradient_checkpointing=checkpointing, offload_activations=True, **settings
+                )
+    flops_per_token = training_flops_per_token(config, task, trains_base_weights=not lora_r)
     rows = []
-    predicted[True] = predict_micro_batches(config, micros, gradient_checkpointing=True, **settings)
-    for checkpointing in (False, True):
-        for micro in micros:
-            estimate = predicted[checkpointing][micro]
+    for (checkpointing, offloaded), estimates in sorted(predicted.items()):
+        for micro, estimate in estimates.items():
             rows.append(
                 {
                     "per_device_train_batch_size": micro,
                     "gradient_accumulation_steps": effective_batch_size // (micro * num_processes),
                     "gradient_checkpointing": checkpointing,
+                    "offload_activations": offloaded,
                     "peak_gib": estimate.peak / GIB,
-                    "fits": fits(estimate.peak, gpu_memory_gib * GIB)
-                    and (host_memory_gib is None or estimate.host_offloaded <= 0.8 * host_memory_gib * GIB),
-                    "relative_throughput": relative_throughput(micro, seq_len, checkpointing),
+                    "fits": fits(estimate.peak, card)
+                    and (not offloaded or estimate.host_offloaded <= 0.8 * (host_memory_gib or math.inf) * GIB),
+                    "relative_throughput": relative_throughput(
+                        micro,
+                        seq_len,
+                        checkpointing,
+                        offloaded_bytes=estimate.host_offloaded,
+                        flops_per_token=flops_per_token,
+                        gpu_tflops=gpu_tflops,
+                        pcie_gbps=pcie_gbps,
+                    ),
                     "host_gib": estimate.host_offloaded / GIB,
                     "breakdown_gib": estimate.as_gib(),
                 }
             )
+    rows.sort(key=lambda r: (r["gradient_checkpointing"], r["per_device_train_batch_size"], r["offload_activations"]))
     fitting = [r for r in rows if r["fits"]]
     best = (
-        max(fitting, key=lambda r: (r["relative_throughput"], r["per_device_train_batch_size"])) if fitting else None
+        max(
+            fitting,
+            key=lambda r: (r["relative_throughput"], r["per_device_train_batch_size"], not r["offload_activations"]),
+        )
+        if fitting
+        else None
     )
+    if best and best["offload_activations"]:
+        # What the copies cost, at the assumed bandwidth: the same split's speed without them.
+        uncopied = relative_throughput(best["per_device_train_batch_size"], seq_len, best["gradient_checkpointing"])
+        best["offload_slowdown"] = 1 - best["relative_throughput"] / uncopied
     top = max(r["relative_throughput"] for r in rows)
     for r in rows:
         r["relative_throughput"] = r["relative_throughput"] / top
@@ -642,6 +711,9 @@ def plan(
         "loss_path": loss_path,
         "load_in_4bit": load_in_4bit,
         "offload_activations": offload_activations,
+        "gpu_tflops": gpu_tflops,
+        "pcie_gbps": pcie_gbps,
+        "training_flops_per_token": flops_per_token,
         "gpu_memory_gib": gpu_memory_gib,
         "margin": f"peak × {FRAGMENTATION} + {CUDA_OVERHEAD_GIB} GiB ≤ card",
         "candidates": rows,
@@ -687,9 +759,11 @@ def launch_line(result: dict) -> str | None:
     ]
     if best["gradient_checkpointing"]:
         flags.append("--gradient_checkpointing")
+    # The plan allows offloading; the recommended candidate says whether it uses it.
+    settings = {**result, "offload_activations": best.get("offload_activations", False)}
     return (
         f"accelerate launch --config_file accelerate_configs/{accelerate_config} "
-        f"recipes/{result['task']}.py {' '.join(flags + recipe_flags(result))}"
+        f"recipes/{result['task']}.py {' '.join(flags + recipe_flags(settings))}"
     )
 
 

@@ -292,9 +292,11 @@ def test_qlora_8b_and_low_memory_full_fine_tuning_of_1_5b_are_planned_to_fit_12_
     assert best and best["fits"] and best["host_gib"] <= 0.8 * 32
     for result, expected in (
         (qlora, "--use_lora --lora_r=16 --load_in_4bit"),
-        (full, "--model_dtype=bfloat16 --optim=adamw_torch_8bit --offload_activations"),
+        (full, "--model_dtype=bfloat16 --optim=adamw_torch_8bit"),
     ):
         assert expected in result["launch"]
+    # Offloading was allowed; the launch line asks for it exactly when the recommended split uses it.
+    assert ("--offload_activations" in full["launch"]) == best["offload_activations"]
 
 
 @pytest.mark.parametrize(
@@ -311,9 +313,14 @@ def test_the_recommendation_is_a_whole_run_whose_flags_the_recipe_accepts(settin
     from ft_accum.arguments import parse_args
     from ft_accum.testing import load_recipe
 
+    recommended = {
+        "per_device_train_batch_size": 4,
+        "gradient_checkpointing": True,
+        "offload_activations": settings.get("offload_activations", False),  # the plan allows it, a split uses it
+    }
     result = {
         "task": "causal_lm", "seq_len": 1024, "effective_batch_size": 32, "num_processes": 1, "optimizer": "adamw",
-        "lora_r": None, "recommended": {"per_device_train_batch_size": 4, "gradient_checkpointing": True}, **settings,
+        "lora_r": None, "recommended": recommended, **settings,
     }  # fmt: skip
     line = mp.launch_line(result)
     assert line.startswith(
@@ -329,3 +336,65 @@ def test_the_recommendation_is_a_whole_run_whose_flags_the_recipe_accepts(settin
     assert task.load_in_4bit == settings.get("load_in_4bit", False) and args.offload_activations == settings.get(
         "offload_activations", False
     )
+
+
+def test_a_checkpointed_trace_leaves_the_callers_config_as_it_was():
+    """Checkpointing sets use_cache=False on the model's config; a later trace must not inherit it."""
+    config, settings = tiny_llama(), {"task": "causal_lm", "micro_batch_size": 4, "seq_len": 64}
+    before = mp.trace_phases(config, offload_activations=True, **settings)
+    mp.trace_phases(config, gradient_checkpointing=True, **settings)
+    assert config.use_cache is True
+    assert mp.trace_phases(config, offload_activations=True, **settings) == before
+
+
+def test_offloading_copies_are_priced_against_compute():
+    # 4 × 512 tokens: utilisation 2048 / (2048 + 2048) = 0.5, so compute = 2048 × 6e9 / (12e12 × 0.5) = 2.048 s;
+    # 10 GB to host and back at 20 GB/s = 1 s.
+    plain = mp.relative_throughput(4, 512, False)
+    priced = mp.relative_throughput(
+        4, 512, False, offloaded_bytes=10e9, flops_per_token=6e9, gpu_tflops=12, pcie_gbps=20
+    )
+    assert plain == 0.5 and priced == pytest.approx(0.5 * 2.048 / 3.048)
+    # With checkpointing the compute takes 4/3 as long, so the same copies cost a smaller share.
+    checkpointed = mp.relative_throughput(
+        4, 512, True, offloaded_bytes=10e9, flops_per_token=6e9, gpu_tflops=12, pcie_gbps=20
+    )
+    assert checkpointed == pytest.approx(0.375 * 2.048 * 4 / 3 / (2.048 * 4 / 3 + 1))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_training_flops_are_6n_per_token_and_4n_with_a_frozen_base(tied):
+    config = tiny_llama()
+    config.tie_word_embeddings = tied
+    model = mp.build_model(config, "causal_lm")
+    total = sum(p.numel() for p in model.parameters())
+    # The input embedding is a lookup, not a matmul, unless the output layer shares it.
+    matmul = total if tied else total - config.vocab_size * config.hidden_size
+    assert mp.training_flops_per_token(config, "causal_lm", trains_base_weights=True) == 6 * matmul
+    assert mp.training_flops_per_token(config, "causal_lm", trains_base_weights=False) == 4 * matmul
+
+
+def test_the_plan_offloads_only_where_a_split_does_not_fit_without_it_and_the_copies_pay():
+    config, settings = tiny_llama(4), {"task": "causal_lm", "seq_len": 256, "effective_batch_size": 16}
+    kept = mp.plan(config, gpu_memory_gib=1000, **settings)["candidates"]
+    peak_of = {(r["per_device_train_batch_size"], r["gradient_checkpointing"]): r["peak_gib"] for r in kept}
+    card = peak_of[(2, False)] * mp.FRAGMENTATION + mp.CUDA_OVERHEAD_GIB + 1e-6  # no-ckpt fits up to micro 2
+
+    def planned(pcie_gbps):
+        return mp.plan(config, gpu_memory_gib=card, offload_activations=True, pcie_gbps=pcie_gbps, **settings)
+
+    free_copies, slow_copies = planned(1e12), planned(1e-3)
+    rows = free_copies["candidates"]
+    offloaded = {
+        (r["per_device_train_batch_size"], r["gradient_checkpointing"]) for r in rows if r["offload_activations"]
+    }
+    not_fitting = {(r["per_device_train_batch_size"], r["gradient_checkpointing"]) for r in rows
+                   if not r["offload_activations"] and not r["fits"]}  # fmt: skip
+    assert offloaded == not_fitting and (4, False) in offloaded
+    assert any(r["fits"] for r in rows if r["offload_activations"]), "offloading made nothing fit: retune the test"
+
+    best = free_copies["recommended"]
+    assert best["offload_activations"] and not best["gradient_checkpointing"], best
+    assert best["offload_slowdown"] == pytest.approx(0, abs=1e-6) and "--offload_activations" in free_copies["launch"]
+    best = slow_copies["recommended"]
+    assert not best["offload_activations"] and "--offload_activations" not in slow_copies["launch"], best
