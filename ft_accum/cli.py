@@ -107,12 +107,12 @@ def format_plan(result: dict) -> str:
                 f"split a predicted {best['offload_slowdown']:.0%} slower (at {result['pcie_gbps']:g} GB/s against "
                 f"{result['gpu_tflops']:g} TFLOP/s; set --pcie_gbps and --gpu_tflops for your machine)"
             )
-    if result.get("offload_activations"):
-        lines.append("(offloading is tried only for the splits that do not fit without it: it only adds copies)")
     else:
         lines.append(
             "nothing fits: try --precision bf16, --lora_r 16, --optimizer adamw_8bit, a shorter --seq_len, or a smaller model"
         )
+    if result.get("offload_activations"):
+        lines.append("(offloading is tried only for the splits that do not fit without it: it only adds copies)")
     lines.append(
         f"(a prediction from a traced step on fake tensors, in {result['seconds']} s; see ft_accum/memory_planner.py for its limits)"
     )

@@ -187,6 +187,7 @@ def test_plan_cli_offline_with_a_config_file_and_json(tmp_path):
     table = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert table.returncode == 0, table.stderr
     assert "recommended: --per_device_train_batch_size 8 --gradient_accumulation_steps 1" in table.stdout
+    assert "nothing fits" not in table.stdout
     result = json.loads(
         subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=300, check=True).stdout
     )
@@ -398,3 +399,10 @@ def test_the_plan_offloads_only_where_a_split_does_not_fit_without_it_and_the_co
     assert best["offload_slowdown"] == pytest.approx(0, abs=1e-6) and "--offload_activations" in free_copies["launch"]
     best = slow_copies["recommended"]
     assert not best["offload_activations"] and "--offload_activations" not in slow_copies["launch"], best
+
+    from ft_accum.cli import format_plan
+
+    chosen, declined = (format_plan({**r, "seconds": 0.0}) for r in (free_copies, slow_copies))
+    assert "\noffloading:  " in chosen and "predicted 0% slower" in chosen
+    assert "\noffloading:  " not in declined and "tried only for the splits that do not fit" in declined
+    assert "nothing fits" not in chosen + declined
