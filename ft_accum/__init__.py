@@ -23,4 +23,18 @@ One concept per module:
     benchmarking         per-update timings, the plain loop and the Trainer callback of the benchmarks
 """
 
+import logging
+
 __version__ = "0.1.0"
+
+# Notices that transformers' quantizer imports trigger whenever the [lowmem] extra is installed, on every
+# run, none about what ft-accum uses: torchao's CUDA-only extensions not loading on a CPU machine, torch
+# deprecating torchao's Enum registrations, and bitsandbytes' optional `kernels` package (fetched from
+# the hub, so deliberately not installed) being absent. Other messages from these loggers still show.
+_OPTIONAL_KERNEL_NOTICES = {
+    "torchao": "Failed to load ",
+    "torch.utils._pytree": "%s is an Enum subclass and is now natively supported",
+    "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
+}
+for _name, _start in _OPTIONAL_KERNEL_NOTICES.items():
+    logging.getLogger(_name).addFilter(lambda record, start=_start: not str(record.msg).startswith(start))

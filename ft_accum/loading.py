@@ -189,3 +189,14 @@ def check_tokenizer(tokenizer, model, name: str, sample_texts: list[str] | None 
             f"the tokenizer of {name!r} maps {sum(i == unk for i in ids) / len(ids):.0%} of a sample of the training "
             f"text to its unknown token {tokenizer.unk_token!r}{missing}; use the model's own tokenizer files"
         )
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each block's activations in backward instead of keeping them (non-reentrant, as
+    torch.utils.checkpoint recommends). transformers 5 renamed `gradient_checkpointing_enable` to
+    `activation_checkpointing_enable` and warns on every call of the old name; 4.x has only the old one."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

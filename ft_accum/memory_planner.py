@@ -39,7 +39,7 @@ from unittest import mock
 import torch
 
 from ft_accum.errors import ConfigError
-from ft_accum.loading import check_context_length
+from ft_accum.loading import check_context_length, enable_gradient_checkpointing
 
 GIB = 2**30
 CUDA_OVERHEAD_GIB = 0.6  # CUDA context + cuBLAS workspace, measured as 0.4–0.6 GiB on recent drivers
@@ -383,7 +383,7 @@ def trace_micro_batches(
         if gradient_checkpointing:
             if hasattr(model.config, "use_cache"):
                 model.config.use_cache = False
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(model)
         if lora_r:
             from ft_accum.lora import import_peft, parse_target_modules
 
@@ -615,6 +615,9 @@ def plan(
     candidate fits only if its host bytes also stay within 80% of `host_memory_gib` (the rest is the
     OS, the data and Python).
     """
+    for name, value in (("--gpu_tflops", gpu_tflops), ("--pcie_gbps", pcie_gbps)):
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name} must be a positive number, got {value:g}; leave it out for the default")
     config = load_model_config(model)
     # The recipes refuse a sequence longer than the model's positions; so must the plan (issue 19).
     check_context_length(config, seq_len, "--seq_len")

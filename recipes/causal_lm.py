@@ -128,7 +128,7 @@ def build_model(task, args, accelerator):
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
     if args.gradient_checkpointing:
         model.config.use_cache = False  # the cache is useless in training and conflicts with recomputation
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        loading.enable_gradient_checkpointing(model)
     if task.use_lora:
         model = lora.apply_lora(model, task, args.gradient_checkpointing, args.model_dtype)
     return model, tokenizer

@@ -132,7 +132,7 @@ def build_model(task, args, label_names):
     if args.gradient_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise ConfigError(f"{type(model).__name__} does not support --gradient_checkpointing; drop the flag")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        loading.enable_gradient_checkpointing(model)
     return model, processor
 
 

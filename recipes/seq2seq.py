@@ -103,7 +103,7 @@ def build_model(task, args):
     )
     if args.gradient_checkpointing:
         # Non-reentrant checkpointing is the variant that works under DDP with unused parameters.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        loading.enable_gradient_checkpointing(model)
     return model, tokenizer
 
 

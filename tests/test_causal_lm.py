@@ -30,6 +30,7 @@ from transformers import (
     DataCollatorForLanguageModeling,
 )
 
+from ft_accum import loading
 from ft_accum.loss_normalization import (
     causal_lm_loss_sum,
     scale_gradients_,
@@ -117,7 +118,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_llama_dir):
         model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
         if checkpointing:
             model.config.use_cache = False
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            loading.enable_gradient_checkpointing(model)
         model.train()
         batch = DataCollatorForLanguageModeling(tokenizer, mlm=False)([tokenizer(d["text"]) for d in docs])
         model(**batch).loss.backward()

@@ -13,7 +13,7 @@ import torch
 from conftest import RTOL, error_of, launch, read_metrics, recipe_args, run_in_process, tiny_lm_args, write_jsonl
 from safetensors.torch import load_file
 
-from ft_accum import low_memory, memory_planner
+from ft_accum import loading, low_memory, memory_planner
 from ft_accum.testing import make_conversations, make_tiny_chat_lm, make_tiny_lm, relative_error
 
 bitsandbytes = pytest.importorskip("bitsandbytes", reason='the [lowmem] extra: pip install -e ".[lowmem]"')
@@ -267,7 +267,7 @@ def test_offloaded_activations_come_back_bit_for_bit(tiny_llama_dir):
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
             if checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                loading.enable_gradient_checkpointing(model)
             model.train()
             copied = []
             hooks = counted(low_memory.offload_hooks(torch.device("cpu"), pin_memory=False), copied)

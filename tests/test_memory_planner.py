@@ -202,6 +202,8 @@ def test_plan_cli_offline_with_a_config_file_and_json(tmp_path):
         ({"gpu_memory_gib": 0.1}, "the weights and optimizer state alone need"),
         ({"effective_batch_size": 10, "num_processes": 3}, "does not split over 3 process(es)"),
         ({"task": "seq2seq"}, "has no seq2seq head"),
+        ({"pcie_gbps": 0.0}, "--pcie_gbps must be a positive number"),
+        ({"gpu_tflops": float("nan")}, "--gpu_tflops must be a positive number"),
     ],
 )
 def test_plan_bad_input(overrides, message, tmp_path, monkeypatch):
