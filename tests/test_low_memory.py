@@ -353,3 +353,15 @@ def test_qlora_on_two_ddp_processes_matches_the_full_batch(tmp_path, llama_64_di
     assert_same_updates(tmp_path / "ddp", tmp_path / "full")
     # LoRA's tensors are under bitsandbytes' 4,096-element threshold, so their AdamW state is fp32.
     assert relative_error(adapter_weights(tmp_path / "ddp"), adapter_weights(tmp_path / "full")) <= RTOL
+
+
+def test_only_the_optional_kernel_notices_of_the_lowmem_libraries_are_filtered(caplog):
+    import logging
+
+    import ft_accum  # noqa: F401  (installs the filters)
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "no kernels")
+        logger.warning("a warning that matters")
+    assert [r.getMessage() for r in caplog.records] == ["a warning that matters"]
