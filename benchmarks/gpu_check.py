@@ -24,8 +24,8 @@ torch, transformers, accelerate, peft, and this project's [demo] data packages, 
    two rounds in opposite orders. Pass: recipe ≥ 0.98× the plain loop and ≥ 1.0× the Trainer; the
    peaks are reported (goal: the recipe's no more than either).
    Also reported, not judged: the recipe with --torch_compile, with --offload_activations (activation
-   offloading's cost in speed and its peak) and with --gradient_checkpointing (the alternative it
-   competes with).
+   offloading's cost in speed and its peak, and the copy bandwidth that cost implies for the
+   planner's `--pcie_gbps`) and with --gradient_checkpointing (the alternative it competes with).
 5. real OOM replan: the recipe at micro-batch 256 × 1 with --auto_micro_batch, under
    `set_per_process_memory_fraction` at 3× the peak of a micro-batch-8 run: it must hit a real CUDA
    OOM, halve until it fits, finish, and match a run started at the micro-batch it ended on.
@@ -483,13 +483,24 @@ def check_throughput(models: Path, dry_run: bool) -> list[dict]:
     figures = ", ".join(f"{n} {median[n] * block:,.0f} tokens/s, peak {peaks[n]:.2f} GiB" for n in loops)
     reported = []
     if "recipe --offload_activations" in median:
+        from ft_accum.memory_planner import implied_copy_gbps, trace_micro_batches
+
         offloaded, checkpointed = median["recipe --offload_activations"], median["recipe --gradient_checkpointing"]
+        # The planner's bytes for this run turn the measured slowdown into the bandwidth its copy model
+        # should assume (`ft-accum plan --pcie_gbps`).
+        host = trace_micro_batches(
+            config, [micro], task="causal_lm", seq_len=block, precision="bf16-mixed", offload_activations=True
+        )[micro][0].host_offloaded
+        gbps = implied_copy_gbps(host, micro, median["recipe"], offloaded)
         reported.append(
             {
                 "check": f"activation offloading's cost, GPT-2 124M, {micro} × {accumulation} × {block} tokens, bf16",
                 "measured": f"offloaded / recipe {offloaded / median['recipe']:.3f}× speed, peak "
                 f"{peaks['recipe --offload_activations']:.2f} against {peaks['recipe']:.2f} GiB; checkpointing "
-                f"{checkpointed / median['recipe']:.3f}×, peak {peaks['recipe --gradient_checkpointing']:.2f} GiB",
+                f"{checkpointed / median['recipe']:.3f}×, peak {peaks['recipe --gradient_checkpointing']:.2f} GiB; "
+                f"the planner's {host / 2**30:.2f} GiB each way per micro-batch imply "
+                + (f"{gbps:.1f} GB/s of copies" if gbps else "no measurable copy time"),
+                "implied_copy_gbps": gbps,
                 "bound": "reported",
                 "pass": True,
             }

@@ -561,6 +561,17 @@ def relative_throughput(
     return speed * compute_seconds / (compute_seconds + copy_seconds)
 
 
+def implied_copy_gbps(
+    offloaded_bytes: float, micro_batch_size: int, samples_per_second: float, offloaded_samples_per_second: float
+) -> float | None:
+    """The copy bandwidth a measured offloading slowdown implies, in the terms of `relative_throughput`:
+    2 × bytes / (seconds per micro-batch offloaded − without), in GB/s; None when offloading was not
+    measurably slower (the copies hidden, or lost in noise). What `--pcie_gbps` should be on that machine.
+    """
+    extra_seconds = micro_batch_size / offloaded_samples_per_second - micro_batch_size / samples_per_second
+    return 2 * offloaded_bytes / extra_seconds / 1e9 if extra_seconds > 0 else None
+
+
 def training_flops_per_token(config, task: str, trains_base_weights: bool) -> float:
     """2N per token forward and 4N backward, with N the parameters used in matmuls (all but an untied
     input embedding): the 6N of Kaplan et al. 2020, "Scaling Laws for Neural Language Models", §2.1.

@@ -408,3 +408,16 @@ def test_the_plan_offloads_only_where_a_split_does_not_fit_without_it_and_the_co
     assert "\noffloading:  " in chosen and "predicted 0% slower" in chosen
     assert "\noffloading:  " not in declined and "tried only for the splits that do not fit" in declined
     assert "nothing fits" not in chosen + declined
+
+
+def test_a_measured_offloading_slowdown_gives_back_the_bandwidth_of_the_copy_model():
+    """implied_copy_gbps inverts relative_throughput's copy term: feed it the speeds the model predicts."""
+    flops, gbps, host = 6 * 124e6, 25.0, 3e9
+    plain = mp.relative_throughput(8, 1024, False)
+    offloaded = mp.relative_throughput(8, 1024, False, offloaded_bytes=host, flops_per_token=flops, pcie_gbps=gbps)
+    # relative speeds → samples per second on the assumed card: u × TFLOP/s / (6N × tokens per sample)
+    samples_per_second = plain * mp.ASSUMED_GPU_TFLOPS * 1e12 / (flops * 1024)
+    assert mp.implied_copy_gbps(host, 8, samples_per_second, samples_per_second * offloaded / plain) == pytest.approx(
+        gbps
+    )
+    assert mp.implied_copy_gbps(host, 8, 10.0, 10.0) is None and mp.implied_copy_gbps(host, 8, 10.0, 11.0) is None
