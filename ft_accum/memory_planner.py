@@ -536,6 +536,7 @@ def relative_throughput(
     gradient_checkpointing: bool,
     saturation_tokens: int = 2048,
     *,
+    trains_base_weights: bool = True,
     offloaded_bytes: float = 0.0,
     flops_per_token: float = 0.0,
     gpu_tflops: float = ASSUMED_GPU_TFLOPS,
@@ -545,15 +546,17 @@ def relative_throughput(
 
     Tokens per second ∝ u = t / (t + saturation_tokens), with t = micro × seq_len tokens per micro-batch
     (half speed at 2048 tokens, a rough knee for 0.1–8B models on consumer GPUs); recomputation
-    costs one extra forward, ~1/3 of a forward+backward, hence × 3/4.
+    costs one extra forward (2N FLOPs per token): a third of a forward+backward (6N), hence × 3/4,
+    or half of one when the base is frozen (LoRA: 4N, no weight gradients), hence × 2/3.
 
     With `offloaded_bytes` (per micro-batch, `low_memory.offload_activations`), the copies to host
     and back take 2 × bytes / PCIe bandwidth, and add to the compute time t × flops_per_token /
-    (gpu_tflops × u × 3/4 if checkpointing), since the recipes copy synchronously:
+    (gpu_tflops × u × the checkpointing factor), since the recipes copy synchronously:
     speed × compute / (compute + copies).
     """
     tokens = micro_batch_size * seq_len
-    speed = tokens / (tokens + saturation_tokens) * (0.75 if gradient_checkpointing else 1.0)
+    recompute = (0.75 if trains_base_weights else 2 / 3) if gradient_checkpointing else 1.0
+    speed = tokens / (tokens + saturation_tokens) * recompute
     if not offloaded_bytes:
         return speed
     compute_seconds = tokens * flops_per_token / (gpu_tflops * 1e12 * speed)
@@ -686,6 +689,7 @@ def plan(
                         micro,
                         seq_len,
                         checkpointing,
+                        trains_base_weights=not lora_r,
                         offloaded_bytes=estimate.host_offloaded,
                         flops_per_token=flops_per_token,
                         gpu_tflops=gpu_tflops,
@@ -707,7 +711,12 @@ def plan(
     )
     if best and best["offload_activations"]:
         # What the copies cost, at the assumed bandwidth: the same split's speed without them.
-        uncopied = relative_throughput(best["per_device_train_batch_size"], seq_len, best["gradient_checkpointing"])
+        uncopied = relative_throughput(
+            best["per_device_train_batch_size"],
+            seq_len,
+            best["gradient_checkpointing"],
+            trains_base_weights=not lora_r,
+        )
         best["offload_slowdown"] = 1 - best["relative_throughput"] / uncopied
     top = max(r["relative_throughput"] for r in rows)
     for r in rows:

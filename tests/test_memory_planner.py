@@ -358,6 +358,9 @@ def test_offloading_copies_are_priced_against_compute():
         4, 512, False, offloaded_bytes=10e9, flops_per_token=6e9, gpu_tflops=12, pcie_gbps=20
     )
     assert plain == 0.5 and priced == pytest.approx(0.5 * 2.048 / 3.048)
+    # Recomputation is one more forward: a third of 6N in full fine-tuning, half of 4N under LoRA.
+    assert mp.relative_throughput(4, 512, True) == 0.5 * 3 / 4
+    assert mp.relative_throughput(4, 512, True, trains_base_weights=False) == pytest.approx(0.5 * 2 / 3)
     # With checkpointing the compute takes 4/3 as long, so the same copies cost a smaller share.
     checkpointed = mp.relative_throughput(
         4, 512, True, offloaded_bytes=10e9, flops_per_token=6e9, gpu_tflops=12, pcie_gbps=20
