@@ -64,12 +64,13 @@ def format_plan(result: dict) -> str:
     """The candidates as an aligned table, the recommendation last, as a split and as a whole run."""
     from ft_accum import memory_planner
 
+    offloading = result.get("offload_activations")  # allowed; each candidate says whether it uses it
     lines = [
         f"{result['model']} · {result['task']} · {result['seq_len']} tokens · effective batch {result['effective_batch_size']} "
         f"· {result['precision']} · {result['optimizer']}"
         + (f" · LoRA r={result['lora_r']}" if result["lora_r"] else "")
         + (" · 4-bit base" if result.get("load_in_4bit") else "")
-        + (" · activation offloading allowed" if result.get("offload_activations") else "")
+        + (" · activation offloading allowed" if offloading else "")
         + f" · card {result['gpu_memory_gib']:g} GiB (fits: {result['margin']})",
         f"assumes the recipes' step: {result['loss_path']} loss, fused AdamW, "
         + {
@@ -78,18 +79,14 @@ def format_plan(result: dict) -> str:
         }[result["attention"]],
         "",
         f"{'micro':>5} {'accum':>5} {'ckpt':>4} {'peak GiB':>9} {'weights+opt':>11} {'fits':>4} {'rel. speed':>10}"
-        + (f" {'offload':>7} {'host GiB':>8}" if result.get("offload_activations") else ""),
+        + (f" {'offload':>7} {'host GiB':>8}" if offloading else ""),
     ]
     for r in result["candidates"]:
         b = r["breakdown_gib"]
         lines.append(
             f"{r['per_device_train_batch_size']:>5} {r['gradient_accumulation_steps']:>5} {'on' if r['gradient_checkpointing'] else 'off':>4} "
             f"{r['peak_gib']:>9.2f} {b['parameters'] + b['optimizer_state']:>11.2f} {'yes' if r['fits'] else 'no':>4} {r['relative_throughput']:>10.2f}"
-            + (
-                f" {'on' if r['offload_activations'] else 'off':>7} {r['host_gib']:>8.2f}"
-                if result.get("offload_activations")
-                else ""
-            )
+            + (f" {'on' if r['offload_activations'] else 'off':>7} {r['host_gib']:>8.2f}" if offloading else "")
         )
     best = result["recommended"]
     lines.append("")
@@ -111,7 +108,7 @@ def format_plan(result: dict) -> str:
         lines.append(
             "nothing fits: try --precision bf16, --lora_r 16, --optimizer adamw_8bit, a shorter --seq_len, or a smaller model"
         )
-    if result.get("offload_activations"):
+    if offloading:
         lines.append("(offloading is tried only for the splits that do not fit without it: it only adds copies)")
     lines.append(
         f"(a prediction from a traced step on fake tensors, in {result['seconds']} s; see ft_accum/memory_planner.py for its limits)"

@@ -530,6 +530,12 @@ def fits(peak_bytes: float, gpu_memory_bytes: float) -> bool:
     return peak_bytes * FRAGMENTATION + CUDA_OVERHEAD_GIB * GIB <= gpu_memory_bytes
 
 
+def passes_per_token(trains_base_weights: bool) -> int:
+    """Forward + backward in units of one forward (2N FLOPs per token): 3 when the backward also
+    computes weight gradients (4N), 2 when the base is frozen (LoRA, QLoRA: activation gradients only)."""
+    return 3 if trains_base_weights else 2
+
+
 def relative_throughput(
     micro_batch_size: int,
     seq_len: int,
@@ -555,7 +561,8 @@ def relative_throughput(
     speed × compute / (compute + copies).
     """
     tokens = micro_batch_size * seq_len
-    recompute = (0.75 if trains_base_weights else 2 / 3) if gradient_checkpointing else 1.0
+    passes = passes_per_token(trains_base_weights)
+    recompute = passes / (passes + 1) if gradient_checkpointing else 1.0
     speed = tokens / (tokens + saturation_tokens) * recompute
     if not offloaded_bytes:
         return speed
@@ -586,7 +593,7 @@ def training_flops_per_token(config, task: str, trains_base_weights: bool) -> fl
     parameters = sum(p.numel() for p in model.parameters())
     if embedding is not None and (output is None or output.weight is not embedding.weight):
         parameters -= embedding.weight.numel()
-    return 2 * parameters * (3 if trains_base_weights else 2)
+    return 2 * parameters * passes_per_token(trains_base_weights)
 
 
 def candidate_micro_batches(effective_batch_size: int, num_processes: int = 1) -> list[int]:
