@@ -74,7 +74,7 @@ def recipe_loop(model, loader, chunked: bool):
         batch = {k: v for k, v in batch.items() if k != "attention_mask"}  # the recipe's packed blocks have none
         with accelerator.accumulate(model):
             loss_sum, num_tokens, sequences = recipe.training_step(model, batch, output_loss)
-            window.add(loss_sum, num_tokens, sequences, num_tokens)
+            window.add(loss_sum=loss_sum, items=num_tokens, samples=sequences, tokens=num_tokens)
             accelerator.backward(loss_sum / nominal_tokens)
             if accelerator.sync_gradients:
                 window.finish(accelerator, model, plan, nominal_tokens, 1.0, state)

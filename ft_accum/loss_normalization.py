@@ -157,8 +157,9 @@ class AccumulationWindow:
         """True before the window's first micro-batch: where a schedule may change its size."""
         return not self.micro_losses
 
-    def add(self, loss_sum: torch.Tensor, items, samples, tokens=0) -> None:
-        """Add one micro-batch: its summed loss and its counts (ints or 0-d tensors; no host sync)."""
+    def add(self, *, loss_sum: torch.Tensor, items, samples, tokens=0) -> None:
+        """Add one micro-batch: its summed loss, the items it is a sum over (samples or target tokens),
+        its samples and its tokens (ints or 0-d tensors; no host sync)."""
         self.sums[0] += loss_sum.detach()
         self.sums[1] += items
         self.sums[2] += samples

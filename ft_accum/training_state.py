@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+from accelerate.utils import find_batch_size
+
 from ft_accum import checkpointing
 from ft_accum.batch_arithmetic import BatchPlan
 from ft_accum.loss_normalization import WindowTotals, check_skipped_updates
@@ -125,15 +128,48 @@ def start_or_resume(accelerator, model, args, plan: BatchPlan) -> tuple[Training
     return state, signature
 
 
+def real_rows(dataset_rows: int, batch_index: int, num_processes: int, process_index: int, micro: int) -> int:
+    """How many leading rows of this process's micro-batch `batch_index` (0-based in the epoch) are
+    real rows of the dataset, not Accelerate's repeats: clamp(n − (k·P + r)·b, 0, b).
+
+    Accelerate's sharded sampler (`BatchSamplerShard` with `even_batches=True`, its default) deals
+    the epoch's batches of b rows round-robin: batch k of process r is batch k·P + r of one stream,
+    and it completes the last short batch, and any missing round, with rows from the epoch's
+    start, so that every process runs as many micro-batches (DDP needs every process in each
+    all-reduce). Those repeats sit at the end of the stream, at positions ≥ n.
+    """
+    return max(0, min(micro, dataset_rows - (batch_index * num_processes + process_index) * micro))
+
+
+def take_rows(batch: dict, count: int) -> dict:
+    """The first `count` rows of every tensor in `batch` that has one row per sample (all of them if it has fewer)."""
+    rows = find_batch_size(batch)
+    if count >= rows:
+        return batch
+    return {
+        k: v[:count] if isinstance(v, torch.Tensor) and v.dim() and len(v) == rows else v for k, v in batch.items()
+    }
+
+
 def remaining_batches(accelerator, train_dataloader, state: TrainingState, plan: BatchPlan):
-    """This epoch's batches from where the run stands: all of them, or those after a resume point.
+    """This epoch's micro-batches from where the run stands, as (batch, is_padding) pairs.
 
     Checkpoints are taken at sync steps, so the epoch has consumed whole windows; the seeded
     sampler gives the same order whatever the split (see data_sources.seeded_dataloaders).
+
+    When the rows do not divide evenly over the processes, Accelerate repeats rows to even out
+    the last batches (see `real_rows`). Those repeats are cut from a micro-batch that holds real
+    rows; a micro-batch that holds none is yielded whole with `is_padding=True`, for the recipe to
+    run (every process must join the gradient all-reduce) and count as nothing. So the window
+    sums only real rows and tokens on every process, and equals the single-process window.
     """
     train_dataloader.set_epoch(state.epoch)
     seen = state.epoch_samples // plan.micro
-    return accelerator.skip_first_batches(train_dataloader, seen) if seen else train_dataloader
+    batches = accelerator.skip_first_batches(train_dataloader, seen) if seen else train_dataloader
+    dataset_rows = len(train_dataloader.dataset)
+    for index, batch in enumerate(batches, start=seen):
+        real = real_rows(dataset_rows, index, accelerator.num_processes, accelerator.process_index, plan.micro)
+        yield (batch, True) if real == 0 else (take_rows(batch, real), False)
 
 
 class TrainClock:

@@ -246,7 +246,7 @@ def train(task, args):
     model.train()
     while state.epoch < schedule.num_epochs:
         window = AccumulationWindow(accelerator.device)
-        for batch in training_state.remaining_batches(accelerator, train_dataloader, state, plan):
+        for batch, is_padding in training_state.remaining_batches(accelerator, train_dataloader, state, plan):
             if window.is_empty:  # a window starts: an accumulation schedule may change its size
                 plan = schedule.at_window_start(
                     accelerator, optimizer, lr_scheduler, plan, state, noise.in_samples(state)
@@ -255,7 +255,10 @@ def train(task, args):
                 with accelerator.accumulate(model):
                     with offload:  # --offload_activations: what backward needs waits in host memory
                         loss_sum, samples = training_step(model, batch)
-                    window.add(loss_sum, samples, samples)
+                    # Rows Accelerate repeated so that every process steps together count for nothing.
+                    if is_padding:
+                        loss_sum, samples = loss_sum * 0, 0
+                    window.add(loss_sum=loss_sum, items=samples, samples=samples)
                     accelerator.backward(loss_sum / plan.micro)
                     noise.after_backward(accelerator, samples, plan.micro, plan)
                     if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the true sample count

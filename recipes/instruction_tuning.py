@@ -265,7 +265,7 @@ def train(task, args):
     model.train()
     while state.epoch < schedule.num_epochs:
         window = AccumulationWindow(accelerator.device)
-        for batch in training_state.remaining_batches(accelerator, train_dataloader, state, plan):
+        for batch, is_padding in training_state.remaining_batches(accelerator, train_dataloader, state, plan):
             if window.is_empty:  # a window starts: an accumulation schedule may change its size
                 plan = schedule.at_window_start(
                     accelerator, optimizer, lr_scheduler, plan, state, noise.in_samples(state)
@@ -274,7 +274,10 @@ def train(task, args):
                 with accelerator.accumulate(model):
                     with offload:  # --offload_activations: what backward needs waits in host memory
                         loss_sum, num_tokens, sequences = training_step(model, batch, output_loss)
-                    window.add(loss_sum, num_tokens, sequences, num_tokens)
+                    # Rows Accelerate repeated so that every process steps together count for nothing.
+                    if is_padding:
+                        loss_sum, num_tokens, sequences = loss_sum * 0, 0, 0
+                    window.add(loss_sum=loss_sum, items=num_tokens, samples=sequences, tokens=num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)
                     noise.after_backward(accelerator, num_tokens, nominal_tokens, plan)
                     if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the assistant tokens
