@@ -153,16 +153,31 @@ def test_recipe_accumulation_matches_the_full_batch(tmp_path, tiny_gpt2_dir, lm_
 
 
 @pytest.mark.launch
-def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_gpt2_dir, lm_data_files, lm_full_batch_run):
+def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(tmp_path, tiny_gpt2_dir, lm_data_files):
+    """17 documents in windows of 2 micro × 2 accumulation × 2 processes: the last window holds one
+    document, so process 1 gets only the rows Accelerate repeats to even out the batches."""
+    settings = {"max_train_samples": 17, "optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}
+    run_in_process(
+        "causal_lm",
+        tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path / "one", per_device_train_batch_size=8, **settings),
+    )
     result = launch(
         "causal_lm",
-        tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8),
+        tiny_lm_args(
+            tiny_gpt2_dir,
+            lm_data_files,
+            tmp_path / "ddp",
+            per_device_train_batch_size=2,
+            effective_batch_size=8,
+            **settings,
+        ),
         num_processes=2,
     )
-    results = json.loads((tmp_path / "all_results.json").read_text())
+    results = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
     assert results["num_processes"] == 2, "accelerate launch started one process, not two"
     assert "2 micro × 2 accumulation × 2 processes = 8 sequences per update" in result.stdout
-    assert_same_lm_run(tmp_path, lm_full_batch_run)  # tokens_seen equal: tokens are counted across ranks
+    assert [m["samples_seen"] for m in read_metrics(tmp_path / "ddp")] == [8, 16, 17]
+    assert_same_run(tmp_path / "ddp", tmp_path / "one")  # tokens_seen equal: only real tokens, over both ranks
 
 
 def test_lora_with_checkpointing_trains_and_saves_an_adapter_that_reloads(tmp_path, tiny_llama_dir):

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from conftest import (
+    assert_same_run,
     copy_checkpoint,
     error_of,
     final_weights,
@@ -219,3 +220,19 @@ def test_launch_resume_and_pipeline(tmp_path):
 
     prediction = pipeline("image-classification", model=str(tmp_path / "full" / "final"))(Image.new("L", (8, 8)))
     assert prediction[0]["label"] in [str(d) for d in range(10)]
+
+
+@pytest.mark.launch
+def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(tmp_path):
+    """41 digits in windows of 2 micro × 2 accumulation × 2 processes (GroupNorm: per-sample, so
+    exact): process 1 gets only Accelerate's repeated rows in the last window, and counts none."""
+    common = {"max_train_samples": 41, "batchnorm": "groupnorm", "optim": "sgd", "learning_rate": 0.1}
+    run_in_process("image_classification", image_args(tmp_path / "one", per_device_train_batch_size=8, **common))
+    launch(
+        "image_classification",
+        image_args(tmp_path / "ddp", per_device_train_batch_size=2, gradient_accumulation_steps=2, **common),
+        num_processes=2,
+    )
+    assert json.loads((tmp_path / "ddp" / "all_results.json").read_text())["num_processes"] == 2
+    assert [m["samples_seen"] for m in read_metrics(tmp_path / "ddp")] == [8, 16, 24, 32, 40, 41]
+    assert_same_run(tmp_path / "ddp", tmp_path / "one")

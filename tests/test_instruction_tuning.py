@@ -138,9 +138,11 @@ def test_recipe_accumulation_matches_the_full_batch_and_two_ddp_processes(tmp_pa
     def args(out, micro, accumulation):
         return recipe_args(
             chat_lm_dir, chat_files, out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-            max_train_steps=2, max_seq_length=512, exact_match_max_words=1, max_new_tokens=2,
+            max_train_samples=13, max_seq_length=512, exact_match_max_words=1, max_new_tokens=2,
         )  # fmt: skip
 
+    # 13 conversations: the second window holds 5, so on 2 processes (2 × 2) process 0's last
+    # micro-batch is half padding and process 1's is all padding.
     run_in_process("instruction_tuning", args(tmp_path / "full", 8, 1))
     run_in_process("instruction_tuning", args(tmp_path / "accumulated", 2, 4))
     launch("instruction_tuning", args(tmp_path / "ddp", 2, 2), num_processes=2)
@@ -148,9 +150,11 @@ def test_recipe_accumulation_matches_the_full_batch_and_two_ddp_processes(tmp_pa
     assert relative_error(final_weights(tmp_path / "accumulated"), full) <= RTOL
     assert relative_error(final_weights(tmp_path / "ddp"), full) <= RTOL
     assert json.loads((tmp_path / "ddp" / "all_results.json").read_text())["num_processes"] == 2
-    assert [r["tokens_seen"] for r in read_metrics(tmp_path / "accumulated")] == [
-        r["tokens_seen"] for r in read_metrics(tmp_path / "full")
-    ]
+    for run in ("accumulated", "ddp"):
+        assert [(r["samples_seen"], r["tokens_seen"]) for r in read_metrics(tmp_path / run)] == [
+            (r["samples_seen"], r["tokens_seen"]) for r in read_metrics(tmp_path / "full")
+        ]
+    assert [r["samples_seen"] for r in read_metrics(tmp_path / "full")] == [8, 13]
 
     # The control, on the same conversations: the naive mean of per-micro-batch means is far off.
     exact, naive = naive_and_exact_gradients(chat_lm_dir, [m["messages"] for m in make_conversations(16, 3)], 2, 4)

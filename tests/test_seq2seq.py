@@ -126,18 +126,28 @@ def test_launch_and_resume(tmp_path, tiny_t5_dir, pair_files):
 
 
 @pytest.mark.launch
-def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_t5_dir, pair_files):
-    """Real DDP over gloo: target tokens counted over both processes; generation gathered across them."""
+def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(tmp_path, tiny_t5_dir, pair_files):
+    """Real DDP over gloo, on 45 rows that leave the last window short and uneven across the processes: target tokens counted over both processes; generation gathered across them."""
     full = run_in_process(
         "seq2seq",
         s2s_args(
-            tiny_t5_dir, pair_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1
+            tiny_t5_dir,
+            pair_files,
+            tmp_path / "full",
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=1,
+            max_train_samples=45,
         ),
     )
     launch(
         "seq2seq",
         s2s_args(
-            tiny_t5_dir, pair_files, tmp_path / "ddp", per_device_train_batch_size=2, gradient_accumulation_steps=2
+            tiny_t5_dir,
+            pair_files,
+            tmp_path / "ddp",
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_train_samples=45,
         ),
         num_processes=2,
     )

@@ -72,18 +72,34 @@ def test_accumulation_through_accelerate_launch(tmp_path, tiny_model_dir, data_f
 
 
 @pytest.mark.launch
-def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_model_dir, data_files, full_batch_run):
+def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(tmp_path, tiny_model_dir, data_files):
+    """41 rows in windows of 2 micro × 2 accumulation × 2 processes: the last window holds one row,
+    so Accelerate pads process 0's micro-batch and gives process 1 only repeated rows. Each
+    update, the last included, must be the single-process update of the same rows."""
+    settings = {"max_train_samples": 41, "optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}
+    run_in_process(
+        "text_classification",
+        tiny_args(tiny_model_dir, data_files, tmp_path / "one", per_device_train_batch_size=8, **settings),
+    )
     result = launch(
         "text_classification",
-        tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8),
+        tiny_args(
+            tiny_model_dir,
+            data_files,
+            tmp_path / "ddp",
+            per_device_train_batch_size=2,
+            effective_batch_size=8,
+            **settings,
+        ),
         num_processes=2,
     )
-    results = json.loads((tmp_path / "all_results.json").read_text())
+    results = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
     assert results["num_processes"] == 2, "accelerate launch started one process, not two"
     assert results["gradient_accumulation_steps"] == 2
     assert "2 micro × 2 accumulation × 2 processes = 8 samples per update" in result.stdout
-    assert_same_run(tmp_path, full_batch_run)
-    assert_schedule_ends_at_the_last_update(tmp_path)
+    assert [m["samples_seen"] for m in read_metrics(tmp_path / "ddp")] == [8, 16, 24, 32, 40, 41]
+    assert_same_run(tmp_path / "ddp", tmp_path / "one")
+    assert_schedule_ends_at_the_last_update(tmp_path / "ddp")
 
 
 def assert_schedule_ends_at_the_last_update(out):

@@ -199,19 +199,29 @@ def test_an_adaptive_schedule_runs_in_a_token_weighted_recipe(tmp_path, tiny_tag
 
 
 @pytest.mark.launch
-def test_two_ddp_processes_match_one_full_batch_process(tmp_path, tiny_tagger_dir, tag_files):
-    """Real DDP over gloo: the window's labelled tokens are counted over both processes, and the
+def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(tmp_path, tiny_tagger_dir, tag_files):
+    """Real DDP over gloo, on 43 rows that leave the last window short and uneven across the processes: the window's labelled tokens are counted over both processes, and the
     evaluation pads and gathers predictions of different lengths across them."""
     full = run_in_process(
         "token_classification",
         tagger_args(
-            tiny_tagger_dir, tag_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1
+            tiny_tagger_dir,
+            tag_files,
+            tmp_path / "full",
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=1,
+            max_train_samples=43,
         ),
     )
     launch(
         "token_classification",
         tagger_args(
-            tiny_tagger_dir, tag_files, tmp_path / "ddp", per_device_train_batch_size=2, gradient_accumulation_steps=2
+            tiny_tagger_dir,
+            tag_files,
+            tmp_path / "ddp",
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_train_samples=43,
         ),
         num_processes=2,
     )
