@@ -1,5 +1,6 @@
 """`ft-accum`: command-line tools that sit beside the recipes.
 
+ft-accum launch [accelerate launch options] recipes/text_classification.py [recipe flags]
 ft-accum plan --model gpt2-124m --task causal_lm --seq_len 512 --effective_batch_size 64 --gpu_memory 12GiB
 ft-accum sweep recipes/configs/sweep_text_classification.yaml [--dry-run] [--time_budget 8h]
 ft-accum report outputs/sweeps/text_classification [--out DIR]
@@ -132,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = OneLineParser(prog="ft-accum", description="Tools for exact gradient accumulation on one small GPU.")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser(
+        "launch",
+        help="accelerate launch, with a SIGTERM/Ctrl-C stop that waits for the checkpoint (docs/reliability.md)",
+        description="ft-accum launch [accelerate launch options] recipes/<name>.py [recipe flags]: every option is "
+        "accelerate launch's (see accelerate launch --help); the launcher passes a stop signal on to the recipe, "
+        "waits until it has checkpointed and exits 143 (SIGTERM) or 130 (Ctrl-C).",
+    )
     plan = commands.add_parser(
         "plan",
         help="predict peak GPU memory and pick micro-batch × accumulation × checkpointing",
@@ -240,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # every option after it is accelerate launch's or the recipe's
+        from ft_accum.launcher import launch
+
+        return launch(argv[1:])
     args = build_parser().parse_args(argv)
     for name in ("seq_len", "effective_batch_size", "num_processes", "lora_r"):
         value = getattr(args, name, None)

@@ -4,7 +4,13 @@ The first signal only sets a flag: the update in progress finishes, a checkpoint
 that sync step (so the resume is bit-identical, see checkpointing), the exact resume command is
 printed, and the process exits with the shell's code for the signal, 128 + signum (143 for
 SIGTERM, 130 for SIGINT). A second signal restores the default handler and re-sends itself, so
-it stops the process at once.
+it stops the process at once. A repeat of the same signal within `DUPLICATE_SECONDS` is not a
+second signal but the launcher passing the first one on: under `kill -TERM -- -PGID` (SLURM,
+Ctrl-C) torchrun's agent and `ft-accum launch` forward what the recipe has already received.
+
+The command to resume with is read when the run starts (`GracefulStop.command`), while the
+launcher that started it is certainly alive: `ft-accum launch` hands it over in
+FT_ACCUM_LAUNCH_COMMAND; under `accelerate launch` it is the parent process's command line.
 
 SLURM and Ctrl-C signal the whole process group, so every process of a launch sees the flag; the
 processes still agree at each update (one small all-reduce) so that all stop at the same one.
@@ -16,10 +22,15 @@ import os
 import shlex
 import signal
 import sys
+import time
 
 import torch
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DUPLICATE_SECONDS = 1.0
+LAUNCH_COMMAND_ENV = "FT_ACCUM_LAUNCH_COMMAND"  # set by ft-accum launch (ft_accum/launcher.py)
+# Environment settings that change what a launch runs, so a resume command must repeat them.
+LAUNCH_ENV_SETTINGS = ("ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "CUDA_VISIBLE_DEVICES")
 
 
 class GracefulStop:
@@ -27,6 +38,8 @@ class GracefulStop:
 
     def __init__(self):
         self.signal: int | None = None
+        self.command = resume_command()
+        self._first_at = 0.0
         self._previous = {}
         for signum in SIGNALS:
             try:
@@ -35,11 +48,13 @@ class GracefulStop:
                 pass
 
     def _handle(self, signum, frame) -> None:
+        if signum == self.signal and time.monotonic() - self._first_at < DUPLICATE_SECONDS:
+            return  # the launcher passing on the signal this process already has
         if self.signal is not None:  # the second signal: stop now
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.signal = signum
+        self.signal, self._first_at = signum, time.monotonic()
         print(
             f"\n{signal.Signals(signum).name}: finishing the current update, then saving a checkpoint "
             "(send it again to stop at once)",
@@ -58,7 +73,7 @@ class GracefulStop:
         """Print the resume command and leave with 128 + the signal's number."""
         signum = self.signal or signal.SIGTERM
         accelerator.print(
-            f"stopped by {signal.Signals(signum).name}; saved {checkpoint}. Resume with:\n  {resume_command()}"
+            f"stopped by {signal.Signals(signum).name}; saved {checkpoint}. Resume with:\n  {self.command}"
         )
         accelerator.end_training()
         self.restore()
@@ -71,24 +86,45 @@ class GracefulStop:
         self._previous = {}
 
 
-def resume_command(argv: list[str] | None = None, parent_argv: list[str] | None = None) -> str:
+def resume_command(
+    argv: list[str] | None = None,
+    parent_argv: list[str] | None = None,
+    parent_environ: dict[str, str] | None = None,
+    launch_command: str | None = None,
+) -> str:
     """The command that started this run, with `--resume_from_checkpoint latest` in place of any earlier one.
 
-    Under `accelerate launch` (and torchrun, which it runs in-process) the parent process holds the
-    whole command line, launch options included; started with plain `python`, this process does.
+    In order: the command `ft-accum launch` recorded (`launch_command`, FT_ACCUM_LAUNCH_COMMAND);
+    under `accelerate launch` (and torchrun, which it runs in-process) the parent process's command
+    line, launch options and --config_file included, after the parent's launch-changing
+    environment settings (ACCELERATE_USE_CPU=true, ...); started with plain `python`, this
+    process's own. Call it at the start of the run: at a stop, the launcher may be gone.
     """
     argv = sys.argv if argv is None else argv
+    launch_command = os.environ.get(LAUNCH_COMMAND_ENV) if launch_command is None else launch_command
+    if launch_command:
+        return _with_resume(shlex.split(launch_command))
     if parent_argv is None:
-        try:
-            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-                parent_argv = [a.decode() for a in f.read().split(b"\0") if a]
-        except OSError:  # not Linux
-            parent_argv = []
+        parent_argv = _read_proc(f"/proc/{os.getppid()}/cmdline")
+        parent_environ = dict(kv.split("=", 1) for kv in _read_proc(f"/proc/{os.getppid()}/environ") if "=" in kv)
     launch = [i for i, a in enumerate(parent_argv) if a in ("launch", "accelerate.commands.launch")]
-    if launch:
-        command = ["accelerate", "launch", *parent_argv[launch[0] + 1 :]]
-    else:
-        command = ["python", *argv]
+    if not launch:
+        return _with_resume(["python", *argv])
+    environ = parent_environ or {}
+    settings = [f"{name}={environ[name]}" for name in LAUNCH_ENV_SETTINGS if environ.get(name)]
+    return _with_resume([*settings, "accelerate", "launch", *parent_argv[launch[0] + 1 :]])
+
+
+def _read_proc(path: str) -> list[str]:
+    """A NUL-separated /proc file as strings; empty where there is none (not Linux, another user's)."""
+    try:
+        with open(path, "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _with_resume(command: list[str]) -> str:
     kept, skip = [], False
     for arg in command:
         if skip:

@@ -134,21 +134,29 @@ def free_port() -> int:
 
 
 def launch_command(
-    name: str, args: list[str], num_processes: int = 1, config_file: str | Path | None = None
+    name: str,
+    args: list[str],
+    num_processes: int = 1,
+    config_file: str | Path | None = None,
+    launcher: str = "accelerate",
 ) -> tuple[list[str], dict]:
-    """The real `accelerate launch` command line and environment: one process with `config_file`
-    (default: the CPU config), or `num_processes` CPU processes under DDP over gloo."""
+    """The real launch command line and environment: one process with `config_file` (default: the
+    CPU config), or `num_processes` CPU processes under DDP over gloo. `launcher` "accelerate" is
+    `accelerate launch`; "ft-accum" is `ft-accum launch`, the same options (ft_accum/launcher.py)."""
     env = dict(os.environ)
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
+    if launcher == "accelerate":
+        prefix = [sys.executable, "-m", "accelerate.commands.launch"]
+    else:
+        prefix = [str(Path(sys.executable).parent / "ft-accum"), "launch"]
     if num_processes == 1:
-        cmd = [*accelerate, "--config_file", str(config_file or CPU_CONFIG)]
+        cmd = [*prefix, "--config_file", str(config_file or CPU_CONFIG)]
     else:
         # `--cpu --num_processes 2` silently runs one process in accelerate 1.15; this runs two
         # (torchrun, DistributedType.MULTI_CPU, gloo). The cores are shared out, not oversubscribed.
         threads = max(1, (os.cpu_count() or 1) // num_processes)
         env |= {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": str(threads)}
         cmd = [
-            *accelerate,
+            *prefix,
             "--multi_gpu",
             "--num_processes",
             str(num_processes),

@@ -218,12 +218,16 @@ def save_checkpoint(
     return path
 
 
+RESUME_COMMAND_FILE = "resume_command.txt"
+
+
 class RunTracker:
     """What happens once per update besides the update itself: the counters, metrics.jsonl and the
     tracker, the progress bar, checkpoints, and the graceful stop; and the end of the run.
 
     `end_update` is the recipe's one call at each sync step, after `optimizer.step()`; it returns
-    True when the run has made its last update. `stop` is a `GracefulStop` (or None to do without).
+    True when the run has made its last update. `stop` is a `GracefulStop` (or None to do without);
+    its resume command goes to `RESUME_COMMAND_FILE` in the output folder.
     """
 
     def __init__(
@@ -234,6 +238,9 @@ class RunTracker:
         self.accelerator, self.args, self.state, self.signature, self.stop = accelerator, args, state, signature, stop
         self.num_update_steps = num_update_steps
         self.clock = TrainClock(state.train_seconds)
+        if stop is not None and accelerator.is_main_process:
+            # Written at the start, so a run killed without warning (SIGKILL, power) has it too.
+            (Path(args.output_dir) / RESUME_COMMAND_FILE).write_text(stop.command + "\n")
         self.progress = tqdm(
             total=num_update_steps,
             initial=state.scheduler_steps,
