@@ -208,6 +208,7 @@ def run_signature(
     seed: int,
     optim: str,
     accumulation_schedule: str | None = None,
+    mixed_precision: str | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it.
 
@@ -224,6 +225,7 @@ def run_signature(
         "seed": seed,
         "optim": optim,
         "accumulation_schedule": accumulation_schedule,
+        "mixed_precision": mixed_precision,
     }
 
 
@@ -256,6 +258,13 @@ def check_resume_signature(saved: dict[str, Any] | None, current: dict[str, Any]
                 f"checkpoint {checkpoint} was trained with {key} {saved.get(key)}, this run has {current.get(key)}: {reason}; "
                 f"resume with --{key} {saved.get(key)}, or start a new --output_dir"
             )
+    # Absent from checkpoints written before issue 26; set by the Accelerate config, not a flag.
+    if "mixed_precision" in saved and saved["mixed_precision"] != current.get("mixed_precision"):
+        raise ConfigError(
+            f"checkpoint {checkpoint} was trained with mixed precision {saved['mixed_precision']}, this launch runs "
+            f"{current.get('mixed_precision')}: resume with the launch command in resume_command.txt beside the checkpoints "
+            "(its --config_file sets the precision)"
+        )
     if (saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"]) != (
         current["per_device_train_batch_size"],
         current["gradient_accumulation_steps"],

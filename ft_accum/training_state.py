@@ -116,6 +116,7 @@ def start_or_resume(accelerator, model, args, plan: BatchPlan) -> tuple[Training
         seed=args.seed,
         optim=args.optim,
         accumulation_schedule=args.accumulation_schedule,
+        mixed_precision=accelerator.mixed_precision,
     )
     state = TrainingState(effective_batch_size=plan.effective)
     if args.resume_from_checkpoint:

@@ -112,6 +112,7 @@ def signature(**changes):
         "num_processes": 1,
         "seed": 42,
         "optim": "adamw_torch",
+        "mixed_precision": "bf16",
     }
     return base | changes
 
@@ -141,6 +142,7 @@ def test_run_signature_tells_models_apart():
         ({"num_processes": 2, "gradient_accumulation_steps": 2}, "num_processes 1, this run has 2"),
         ({"seed": 1}, "seed 42, this run has 1"),
         ({"optim": "sgd"}, "optim adamw_torch, this run has sgd"),
+        ({"mixed_precision": "no"}, "mixed precision bf16, this launch runs no: .*resume_command.txt"),
     ],
 )
 def test_a_resume_that_would_change_the_run_is_refused(tmp_path, change, message):

@@ -9,11 +9,9 @@ import sys
 import time
 
 import pytest
-import torch
-from conftest import ROOT, launch_command, load_recipe, read_metrics, run_in_process, tiny_args
+from conftest import ROOT, load_recipe, read_metrics, run_in_process, tiny_args
 
 from ft_accum.arguments import parse_args
-from ft_accum.graceful_stop import resume_command
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 
@@ -60,55 +58,10 @@ def test_the_features_run_together_in_one_recipe(tmp_path, tiny_model_dir, data_
     assert results["num_update_steps"] == len(records) and (out / "checkpoints").is_dir()
 
 
-def test_resume_command_keeps_the_launch_options_and_replaces_an_earlier_resume():
-    parent = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "cpu.yaml", "recipes/x.py", "--seed", "3",
-              "--resume_from_checkpoint", "old"]  # fmt: skip
-    assert resume_command(["recipes/x.py"], parent) == (
-        "accelerate launch --config_file cpu.yaml recipes/x.py --seed 3 --resume_from_checkpoint latest"
-    )
-    assert (
-        resume_command(["recipes/x.py", "--seed=3"], [])
-        == "python recipes/x.py --seed=3 --resume_from_checkpoint latest"
-    )
-
-
 def slow_run_args(tiny_model_dir, data_files, out):
     # Enough updates that the signal lands mid-run, in several epochs, with dropout-free tiny BERT.
     return tiny_args(tiny_model_dir, data_files, out, per_device_train_batch_size=4, effective_batch_size=8,
                      max_train_steps=150, num_train_epochs=100)  # fmt: skip
-
-
-@pytest.mark.launch
-def test_sigterm_through_accelerate_launch_checkpoints_and_the_resume_is_bit_identical(
-    tmp_path, tiny_model_dir, data_files
-):
-    reference = tmp_path / "reference"
-    run_in_process("text_classification", slow_run_args(tiny_model_dir, data_files, reference))
-
-    out = tmp_path / "stopped"
-    cmd, env = launch_command("text_classification", slow_run_args(tiny_model_dir, data_files, out))
-    # A new session: the signal goes to the whole process group, as SLURM's preemption and Ctrl-C send it.
-    process = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)  # fmt: skip
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
-        assert process.poll() is None and time.monotonic() < deadline, "the run ended before it could be signalled"
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGTERM)
-    output, _ = process.communicate(timeout=300)  # returns once the recipe, which holds the pipe too, has exited
-    stopped_at = len(read_metrics(out))
-    assert 3 <= stopped_at < 150, output[-3000:]
-    assert "stopped by SIGTERM" in output and "--resume_from_checkpoint latest" in output, output[-3000:]
-    assert (out / "checkpoints" / f"step_{stopped_at:06d}" / "training_state.json").is_file()
-    assert not (out / "final").exists()
-
-    run_in_process(
-        "text_classification", [*slow_run_args(tiny_model_dir, data_files, out), "--resume_from_checkpoint=latest"]
-    )
-    ours, theirs = load_final(out), load_final(reference)
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)  # bit-identical, not merely close
-    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(reference)]
 
 
 def load_final(output_dir):
@@ -117,7 +70,7 @@ def load_final(output_dir):
     return load_file(str(output_dir / "final" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130)])  # through the launcher: test_launcher_stop.py
 def test_a_signal_exits_with_128_plus_its_number_after_saving(tmp_path, tiny_model_dir, data_files, signum, code):
     out = tmp_path / "run"
     cmd = [
