@@ -19,6 +19,7 @@ crash leaves either the old set of checkpoints or the new one, plus a `.tmp-*` f
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -70,15 +71,21 @@ def save_checkpoint(
     except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(output_dir)
+        then = (
+            f"then resume from the intact {previous} with --resume_from_checkpoint latest"
+            if previous
+            else "then run again (no earlier checkpoint exists)"
+        )
+        free = f"{shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
+        if not is_out_of_space(exc):  # name the cause seen, not the most common one
+            raise ConfigError(
+                f"could not write checkpoint {final}: {type(exc).__name__} in {_raised_in(exc)}: {_first_line(exc)} "
+                f"(not a full disk: {free}); fix that cause, {then}"
+            ) from exc
         needed = f", one checkpoint takes {_folder_mib(previous):.0f} MiB" if previous else ""
         raise ConfigError(
-            f"could not write checkpoint {final} (the write failed: {_first_line(exc)}; {shutil.disk_usage(root).free / 2**20:.0f} MiB "
-            f"free there{needed}); free disk space or lower --save_total_limit, "
-            + (
-                f"then resume from the intact {previous} with --resume_from_checkpoint latest"
-                if previous
-                else "then run again (no earlier checkpoint exists)"
-            )
+            f"could not write checkpoint {final} (the write failed: {_first_line(exc)}; {free}{needed}); "
+            f"free disk space or lower --save_total_limit, {then}"
         ) from exc
     if accelerator.is_main_process:
         if final.exists():
@@ -94,6 +101,39 @@ def save_checkpoint(
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+OUT_OF_SPACE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+# How torch.save and safetensors word a failed write when they do not raise an OSError.
+OUT_OF_SPACE_WORDS = ("no space left", "file too large", "disk quota", "file write failed")
+
+
+def is_out_of_space(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from, is a write that ran out of room (disk, quota, file size limit)."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in OUT_OF_SPACE_ERRNOS:
+            return True
+        if any(words in str(exc).lower() for words in OUT_OF_SPACE_WORDS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _raised_in(exc: BaseException) -> str:
+    """The module and function that raised `exc`, e.g. 'torch.distributed.checkpoint.state_dict_saver.save'."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "an unknown place"
+    frame = frames[-1]
+    path = Path(frame.filename)
+    parts = path.with_suffix("").parts
+    package = next((i for i, part in enumerate(parts) if part in ("site-packages", "ft_accum", "recipes")), None)
+    module = ".".join(
+        parts[package + 1 :] if package is not None and parts[package] == "site-packages" else parts[-2:]
+    )
+    return f"{module}.{frame.name}"
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:

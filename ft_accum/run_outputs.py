@@ -24,13 +24,33 @@ def resolve_report_to(report_to: str) -> str | None:
     return None if report_to == "none" else report_to
 
 
+def requested_engine(environ=os.environ) -> str | None:
+    """The engine the Accelerate config names, as `accelerate launch` tells its processes: FSDP,
+    DEEPSPEED, or None (DDP or one process: the distributed type follows the process count)."""
+    for engine in ("FSDP", "DEEPSPEED"):
+        if environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true":
+            return engine
+    return None
+
+
+def describe_engine(distributed_type: str, num_processes: int) -> str:
+    """The banner's engine line, e.g. 'DDP over gloo (MULTI_CPU), 2 processes'."""
+    names = {"NO": "one process", "MULTI_CPU": "DDP over gloo (MULTI_CPU)", "MULTI_GPU": "DDP over NCCL (MULTI_GPU)",
+             "FSDP": "FSDP (sharded parameters, gradients and optimizer state)", "DEEPSPEED": "DeepSpeed"}  # fmt: skip
+    name = names.get(distributed_type, distributed_type)
+    return name if distributed_type == "NO" else f"{name}, {num_processes} processes"
+
+
 def check_accelerator(accelerator, loss_weighted_by: str = "samples") -> None:
-    """Refuse the two launches Accelerate 1.15 accepts and then silently runs as something else.
+    """Refuse the launches Accelerate 1.15 accepts and then silently runs as something else.
 
     - fp16 without CUDA: it trains in fp32.
-    - An engine this machine cannot run (FSDP or DeepSpeed without CUDA GPUs): `accelerate launch`
-      starts the processes, but each builds a plain one-process run and trains on all the data,
-      all of them writing the same --output_dir. torchrun's WORLD_SIZE gives it away.
+    - An engine this machine cannot run. Without CUDA GPUs, `accelerate launch` of an FSDP or
+      DeepSpeed config starts the processes, but each builds a plain one-process run and trains on
+      all the data, all of them writing the same --output_dir: torchrun's WORLD_SIZE gives it away.
+      With ACCELERATE_USE_CPU=true the processes do form a group, but Accelerate turns its FSDP
+      plugin on only for GPU groups, so an FSDP config runs DDP (MULTI_CPU): the engine the config
+      named (ACCELERATE_USE_FSDP) is not the one that runs.
 
     And DeepSpeed, where it runs, steps inside `accelerator.backward`, so the recipes' window scale,
     applied after the last backward, comes too late: recipes whose loss is a mean over tokens
@@ -42,12 +62,22 @@ def check_accelerator(accelerator, loss_weighted_by: str = "samples") -> None:
             "fp16 needs a CUDA GPU and this machine has none; launch with --mixed_precision no (or bf16), "
             "e.g. --config_file accelerate_configs/cpu.yaml"
         )
+    requested = requested_engine()
+    running = accelerator.distributed_type.value
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
+        engine = requested or "multi-GPU DDP"
         raise ConfigError(
-            f"accelerate launch started {launched} processes, but each one runs alone ({accelerator.distributed_type.value}, "
-            f"{accelerator.num_processes} process): this machine cannot run the configured engine (FSDP and DeepSpeed need CUDA GPUs); "
-            "on CPU use ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N (DDP over gloo)"
+            f"accelerate launch started {launched} processes for {engine}, but each one runs alone ({running}, "
+            f"{accelerator.num_processes} process): this machine has no CUDA GPU for {engine}; on CPU use "
+            "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N (DDP over gloo)"
+        )
+    if requested and running != requested:
+        raise ConfigError(
+            f"the Accelerate config asks for {requested}, but this launch would run {running}: Accelerate 1.15 "
+            f"turns {requested} on only for CUDA GPU processes, so on {accelerator.device.type.upper()} it would silently "
+            f"fall back to {running}; run the config on GPUs, or for CPU processes use "
+            "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N (DDP over gloo)"
         )
     if accelerator.distributed_type.value == "DEEPSPEED":
         # DeepSpeed steps inside accelerator.backward, so the window scale c·N·P/T the recipes apply after the last
@@ -236,6 +266,7 @@ def write_results(accelerator, args, state, plan, train_seconds: float, **metric
         "learning_rate": learning_rate,
         "mixed_precision": accelerator.mixed_precision,
         "distributed_type": accelerator.distributed_type.value,
+        "engine": describe_engine(accelerator.distributed_type.value, accelerator.num_processes),
         "peak_memory_gb": peak_memory_gb(accelerator.device),
     }
     if accelerator.is_main_process:

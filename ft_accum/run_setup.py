@@ -14,7 +14,7 @@ from ft_accum.banner import format_banner
 from ft_accum.loading import describe_dtypes
 from ft_accum.low_memory import adamw_8bit, adamw_8bit_stochastic_rounding
 from ft_accum.lr_scaling import describe_lr_scaling
-from ft_accum.run_outputs import check_accelerator, prepare_output_dir, resolve_report_to
+from ft_accum.run_outputs import check_accelerator, describe_engine, prepare_output_dir, resolve_report_to
 
 
 def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str = "samples") -> Accelerator:
@@ -83,6 +83,7 @@ def run_banner(
 ) -> str:
     """The banner of `format_banner` for a recipe's settings: batch arithmetic, LR, updates, dtypes, features on."""
     features = {
+        "engine": describe_engine(accelerator.distributed_type.value, accelerator.num_processes),
         "dtypes": describe_dtypes(model, optimizer, accelerator.mixed_precision),
         "torch.compile": "on: each repeated block (the first updates compile)" if args.torch_compile else None,
         "trust_remote_code": "ON: the model's own Python code ran" if args.trust_remote_code else None,

@@ -181,7 +181,10 @@ def launch(name: str, args: list[str], num_processes: int = 1, check: bool = Tru
 
 
 def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(output_dir) / "final" / "model.safetensors"))
+    """The saved final weights: the model's, or a LoRA run's adapter."""
+    final = Path(output_dir) / "final"
+    adapter = final / "adapter_model.safetensors"
+    return load_file(str(adapter if adapter.exists() else final / "model.safetensors"))
 
 
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

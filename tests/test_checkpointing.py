@@ -51,6 +51,32 @@ def test_a_crash_while_saving_leaves_no_checkpoint(tmp_path, accelerator, monkey
     assert checkpointing.resolve_resume_checkpoint("latest", tmp_path).name == "step_000001"
 
 
+@pytest.mark.parametrize(
+    "error, expected, not_expected",
+    [
+        (OSError(28, "No space left on device"), "free disk space or lower --save_total_limit", "not a full disk"),
+        (RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"), "free disk space", "not a full disk"),
+        (RuntimeError("FSDP: expected a DTensor for 'lm_head.weight'"), "RuntimeError in ", "free disk space"),
+    ],
+)  # fmt: skip
+def test_a_failed_save_names_the_cause_it_saw(tmp_path, accelerator, monkeypatch, error, expected, not_expected):
+    """Issue 26: an FSDP state-dict failure was reported as a full disk, with 77 GB free."""
+    prepared(accelerator)
+    checkpointing.save_checkpoint(accelerator, tmp_path, 1, {})
+
+    def fail(output_dir, **kwargs):
+        raise error
+
+    monkeypatch.setattr(accelerator, "save_state", fail)
+    with pytest.raises(ConfigError) as info:
+        checkpointing.save_checkpoint(accelerator, tmp_path, 2, {})
+    message = str(info.value)
+    assert expected in message and not_expected not in message, message
+    assert "step_000001 with --resume_from_checkpoint latest" in message
+    if not_expected == "free disk space":
+        assert "expected a DTensor for 'lm_head.weight'" in message and "test_checkpointing.fail" in message
+
+
 def test_a_folder_without_the_state_file_is_not_a_checkpoint(tmp_path):
     (tmp_path / "checkpoints" / "step_000005").mkdir(parents=True)
     assert checkpointing.latest_checkpoint(tmp_path) is None

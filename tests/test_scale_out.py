@@ -3,9 +3,13 @@
 - DDP (MULTI_CPU over gloo) with Accelerate's `sync_each_batch`: gradients are reduced after every
   micro-batch instead of only at the window's last (accelerate#2531: under FSDP it saves the
   window's unsharded gradients); the update must stay the full-batch one.
-- FSDP does not run on this CPU-only torch: with the shipped accelerate_configs/fsdp.yaml,
-  `accelerate launch` starts 2 processes that each silently train alone (DistributedType.NO).
-  The recipes detect that and stop with one line instead.
+- FSDP on 2 CPU processes (gloo): torch's FSDP2 runs on CPU, but Accelerate 1.15 turns its FSDP
+  plugin on only for GPU process groups. The product therefore refuses an FSDP config on CPU in
+  one line (it would silently run DDP), and the tests switch the plugin on with a test-only hook
+  (tests/fault_hooks, FT_ACCUM_TEST_FSDP_ON_CPU) to check the recipes under the real engine:
+  the same updates as one process, sharded save and exact resume, the graceful stop.
+- Without ACCELERATE_USE_CPU, an FSDP or multi-GPU config on this CPU-only machine starts
+  processes that would each train alone; refused in one line that names the config's engine.
 """
 
 import json
@@ -44,35 +48,37 @@ def test_ddp_with_sync_each_batch_matches_one_full_batch_process(tmp_path, tiny_
     assert_same_run(tmp_path / "ddp", tmp_path / "full")
 
 
-def test_fsdp_on_a_cpu_only_machine_stops_instead_of_running_two_lone_processes(tmp_path, tiny_model_dir, data_files):
-    config = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp.yaml").read_text())
-    assert (
-        config["distributed_type"] == "FSDP"
-        and config["fsdp_config"]["fsdp_version"] == 2
-        and config["num_processes"] == 2
-    )
-    config["mixed_precision"] = "no"  # the shipped bf16 is beside the point here
-    path = tmp_path / "fsdp.yaml"
+@pytest.mark.parametrize(
+    "config_name, cpu, expected",
+    [
+        ("fsdp.yaml", True, "the Accelerate config asks for FSDP, but this launch would run MULTI_CPU"),
+        (
+            "fsdp.yaml",
+            False,
+            "accelerate launch started 2 processes for FSDP, but each one runs alone (NO, 1 process)",
+        ),
+        (
+            "multi_gpu_ddp.yaml",
+            False,
+            "accelerate launch started 2 processes for multi-GPU DDP, but each one runs alone",
+        ),
+    ],
+)
+def test_a_config_runs_the_engine_it_names_or_is_refused_naming_it(
+    tmp_path, tiny_model_dir, data_files, config_name, cpu, expected
+):
+    config = yaml.safe_load((ROOT / "accelerate_configs" / config_name).read_text()) | {"mixed_precision": "no"}
+    path = tmp_path / config_name
     path.write_text(yaml.safe_dump(config))
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(path),
-        "--main_process_port",
-        str(free_port()),
-        str(RECIPES / "text_classification.py"),
-        *tiny_args(tiny_model_dir, data_files, tmp_path / "out", max_train_steps=1),
-    ]
-    result = subprocess.run(
-        command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600, cwd=ROOT
-    )
-    assert result.returncode != 0
-    assert (
-        "error: accelerate launch started 2 processes, but each one runs alone (NO, 1 process)"
-        in result.stderr + result.stdout
-    )
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), "--main_process_port",
+               str(free_port()), str(RECIPES / "text_classification.py"),
+               *tiny_args(tiny_model_dir, data_files, tmp_path / "out", max_train_steps=1)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} | ({"ACCELERATE_USE_CPU": "true"} if cpu else {})
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    output = result.stderr + result.stdout
+    assert result.returncode != 0 and f"error: {expected}" in output, output[-3000:]
+    if config_name == "multi_gpu_ddp.yaml":  # a DDP config's refusal must not talk of FSDP or DeepSpeed
+        assert not {"FSDP", "DeepSpeed"} & set(output.split(expected)[1].splitlines()[0].split())
     assert not (tmp_path / "out" / "all_results.json").exists()
 
 

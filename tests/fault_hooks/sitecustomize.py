@@ -30,3 +30,40 @@ if _FOLDER or _SLOW:
         return _replace(src, dst, *args, **kwargs)
 
     os.replace = _hooked_replace
+
+# FT_ACCUM_TEST_FSDP_ON_CPU=1: Accelerate 1.15 switches its FSDP plugin on only for GPU process
+# groups (AcceleratorState: `distributed_type in [MULTI_GPU, ...]`, MULTI_CPU not among them), so an
+# FSDP config under ACCELERATE_USE_CPU would run DDP. For the tests only, this turns the FSDP plugin
+# on over gloo on CPU, as Accelerate would on GPUs: the recipes then run torch's real FSDP2
+# (fully_shard, sharded state dicts) on 2 CPU processes. The product refuses that combination
+# (run_outputs.check_accelerator); this hook lets the tests check the recipes under the engine.
+if os.environ.get("FT_ACCUM_TEST_FSDP_ON_CPU") == "1":
+    import accelerate.state as _state
+    from accelerate.utils import DistributedType as _DistributedType
+
+    _init = _state.AcceleratorState.__init__
+
+    def _init_with_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
+        _init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        # A later AcceleratorState() copies PartialState's MULTI_CPU back over it: set it each time.
+        plugin = fsdp_plugin or getattr(self, "fsdp_plugin", None)
+        if plugin is not None and self.distributed_type == _DistributedType.MULTI_CPU:
+            self.distributed_type = _DistributedType.FSDP
+            if fsdp_plugin is not None and self._mixed_precision != "no":
+                plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = plugin
+
+    _state.AcceleratorState.__init__ = _init_with_fsdp_on_cpu
+
+# FT_ACCUM_SLOW_UPDATE_SECONDS=0.2: every SGD step sleeps that long first, so a short run lasts long
+# enough for a signal to land mid-run; the updates themselves are unchanged.
+if float(os.environ.get("FT_ACCUM_SLOW_UPDATE_SECONDS", "0")):
+    import torch as _torch
+
+    _step = _torch.optim.SGD.step
+
+    def _slow_step(self, *args, **kwargs):
+        time.sleep(float(os.environ["FT_ACCUM_SLOW_UPDATE_SECONDS"]))
+        return _step(self, *args, **kwargs)
+
+    _torch.optim.SGD.step = _slow_step

@@ -1,0 +1,182 @@
+"""The recipes under FSDP, on 2 CPU processes over gloo (issue 26).
+
+torch's FSDP2 (`fully_shard`) runs on CPU; Accelerate 1.15 switches its FSDP plugin on only for
+GPU process groups, so the product refuses an FSDP config on CPU (test_scale_out.py). Here the
+test-only hook of tests/fault_hooks (FT_ACCUM_TEST_FSDP_ON_CPU) switches it on as Accelerate
+does on GPUs; everything else is the real launch of the shipped accelerate_configs/fsdp.yaml
+(in fp32): sharded parameters, gradients and optimizer state, SHARDED_STATE_DICT checkpoints.
+
+Each run uses a row count that leaves the last window short and uneven across the processes.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import (
+    RECIPES,
+    ROOT,
+    assert_same_run,
+    copy_checkpoint,
+    final_weights,
+    free_port,
+    make_documents,
+    read_metrics,
+    recipe_args,
+    run_in_process,
+    tiny_lm_args,
+    write_jsonl,
+)
+
+from ft_accum.testing import make_conversations, make_tiny_chat_lm
+
+pytestmark = pytest.mark.launch
+FAULT_HOOKS = Path(__file__).parent / "fault_hooks"
+SGD = {"optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}
+
+
+@pytest.fixture(scope="module")
+def fsdp_config(tmp_path_factory) -> Path:
+    config = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp.yaml").read_text())
+    assert config["distributed_type"] == "FSDP" and config["fsdp_config"]["fsdp_version"] == 2
+    path = tmp_path_factory.mktemp("fsdp") / "fsdp_fp32.yaml"
+    path.write_text(yaml.safe_dump(config | {"mixed_precision": "no"}))  # fp32: exact comparisons
+    return path
+
+
+def fsdp_command(config: Path, recipe: str, args: list[str], launcher: str = "accelerate"):
+    prefix = (
+        [sys.executable, "-m", "accelerate.commands.launch"]
+        if launcher == "accelerate"
+        else [str(Path(sys.executable).parent / "ft-accum"), "launch"]
+    )
+    cmd = [*prefix, "--config_file", str(config), "--main_process_port", str(free_port()), str(RECIPES / f"{recipe}.py"),
+           *args]  # fmt: skip
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(FAULT_HOOKS),
+           "FT_ACCUM_TEST_FSDP_ON_CPU": "1"}  # fmt: skip
+    return cmd, env
+
+
+def fsdp_launch(config: Path, recipe: str, args: list[str], out: Path) -> dict:
+    cmd, env = fsdp_command(config, recipe, args)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-5000:]}"
+    assert "FSDP (sharded parameters, gradients and optimizer state), 2 processes" in result.stdout
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["distributed_type"] == "FSDP" and results["num_processes"] == 2, results
+    return results
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fsdp-docs")
+    return {
+        "train": write_jsonl(path / "train.jsonl", make_documents(17, seed=11)),  # windows of 8: the last holds 1
+        "validation": write_jsonl(path / "validation.jsonl", make_documents(8, seed=12)),
+    }
+
+
+def lm_args(model_dir, data, out, micro, **settings):
+    split = (
+        {"per_device_train_batch_size": 8}
+        if micro == 8
+        else {"per_device_train_batch_size": 2, "effective_batch_size": 8}
+    )
+    return tiny_lm_args(model_dir, data, out, **SGD, **split, **settings)
+
+
+@pytest.fixture(scope="module")
+def full_fine_tuning(tmp_path_factory, tiny_llama_dir, documents, fsdp_config):
+    """6 epochs of 17 documents (18 updates), one process at 8 × 1 and FSDP at 2 × 2 × 2, checkpointing every 4."""
+    root = tmp_path_factory.mktemp("fsdp-full")
+    settings = {"num_train_epochs": 6, "checkpointing_steps": 4}
+    run_in_process("causal_lm", lm_args(tiny_llama_dir, documents, root / "one", 8, **settings))
+    fsdp_launch(
+        fsdp_config, "causal_lm", lm_args(tiny_llama_dir, documents, root / "fsdp", 2, **settings), root / "fsdp"
+    )
+    return root, settings
+
+
+def test_full_fine_tuning_under_fsdp_matches_one_process(full_fine_tuning):
+    root, _ = full_fine_tuning
+    assert [m["samples_seen"] for m in read_metrics(root / "fsdp")][:3] == [8, 16, 17]
+    assert_same_run(root / "fsdp", root / "one")
+
+
+def test_lora_under_fsdp_matches_one_process(tmp_path, tiny_llama_dir, documents, fsdp_config):
+    run_in_process("causal_lm", lm_args(tiny_llama_dir, documents, tmp_path / "one", 8, use_lora=True))
+    fsdp_launch(fsdp_config, "causal_lm", lm_args(tiny_llama_dir, documents, tmp_path / "fsdp", 2, use_lora=True),
+                tmp_path / "fsdp")  # fmt: skip
+    assert_same_run(tmp_path / "fsdp", tmp_path / "one")
+
+
+def test_instruction_tuning_lora_under_fsdp_matches_one_process(tmp_path, fsdp_config):
+    model = make_tiny_chat_lm(tmp_path / "model")
+    data = {"train": write_jsonl(tmp_path / "train.jsonl", make_conversations(13, seed=3)),
+            "validation": write_jsonl(tmp_path / "val.jsonl", make_conversations(4, seed=4))}  # fmt: skip
+
+    def args(out, micro, accumulation):
+        return recipe_args(model, data, out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+                           use_lora=True, max_seq_length=512, exact_match_max_words=1, max_new_tokens=2, **SGD)  # fmt: skip
+
+    run_in_process("instruction_tuning", args(tmp_path / "one", 8, 1))
+    fsdp_launch(fsdp_config, "instruction_tuning", args(tmp_path / "fsdp", 2, 2), tmp_path / "fsdp")
+    assert_same_run(tmp_path / "fsdp", tmp_path / "one")
+
+
+def test_a_sharded_checkpoint_resumes_bit_identically(
+    tmp_path, full_fine_tuning, tiny_llama_dir, documents, fsdp_config
+):
+    root, settings = full_fine_tuning
+    checkpoint = root / "fsdp" / "checkpoints" / "step_000008"
+    assert any(p.name.startswith("pytorch_model_fsdp") for p in checkpoint.iterdir()), "not a sharded checkpoint"
+    resumed = copy_checkpoint(root / "fsdp", 8, tmp_path / "resumed")
+    fsdp_launch(fsdp_config, "causal_lm", lm_args(tiny_llama_dir, documents, resumed, 2, resume_from_checkpoint="latest",
+                                                  **settings), resumed)  # fmt: skip
+    assert [r["step"] for r in read_metrics(resumed)] == list(range(9, 19))
+    ours, theirs = final_weights(resumed), final_weights(root / "fsdp")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_the_graceful_stop_under_fsdp(tmp_path, full_fine_tuning, tiny_llama_dir, documents, fsdp_config):
+    """killpg(SIGTERM) through ft-accum launch: both ranks stop at the same update, the sharded
+    checkpoint is complete when the launcher returns, and the saved command resumes to the same
+    final weights as the uninterrupted FSDP run, bit for bit."""
+    root, settings = full_fine_tuning
+    out = tmp_path / "stopped"
+    args = lm_args(tiny_llama_dir, documents, out, 2, **{**settings, "checkpointing_steps": None})
+    cmd, env = fsdp_command(fsdp_config, "causal_lm", args, "ft-accum")
+    env["FT_ACCUM_SLOW_UPDATE_SECONDS"] = "0.3"  # 18 updates: long enough for the signal to land mid-run
+    with open(tmp_path / "log", "w") as log:
+        process = subprocess.Popen(
+            cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):
+        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGTERM)
+    assert process.wait(timeout=300) == 143, (tmp_path / "log").read_text()[-3000:]
+    stopped_at = len(read_metrics(out))
+    assert 3 <= stopped_at < 18
+    assert [p.parent.name for p in (out / "checkpoints").glob("step_*/training_state.json")] == [
+        f"step_{stopped_at:06d}"
+    ]
+    assert "Traceback" not in (tmp_path / "log").read_text()
+
+    resume = (out / "resume_command.txt").read_text().strip()
+    assert resume.startswith("ACCELERATE_USE_CPU=true ft-accum launch --config_file ")
+    env["FT_ACCUM_SLOW_UPDATE_SECONDS"] = "0"
+    subprocess.run(["bash", "-c", resume], env={**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"},
+                   cwd=ROOT, check=True, capture_output=True, timeout=600)  # fmt: skip
+    assert json.loads((out / "all_results.json").read_text())["distributed_type"] == "FSDP"
+    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(root / "fsdp")]
+    ours, theirs = final_weights(out), final_weights(root / "fsdp")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
