@@ -40,18 +40,21 @@ SCENARIOS = {
     "killpg SIGTERM, 1 process": (1, signal.SIGTERM, "group"),
     "killpg SIGINT, 1 process": (1, signal.SIGINT, "group"),
     "SIGTERM to the launcher alone, 1 process": (1, signal.SIGTERM, "launcher"),
+    "SIGTERM to the launcher as PID 1 of a PID namespace (docker stop), 1 process": (1, signal.SIGTERM, "pid 1"),
     "killpg SIGTERM, 2 processes": (2, signal.SIGTERM, "group"),
     "SIGTERM to the launcher alone, 2 processes": (2, signal.SIGTERM, "launcher"),
 }
 
 
-def start_run(launcher: str, args: list[str], num_processes: int, log: Path) -> subprocess.Popen:
+def start_run(launcher: str, args: list[str], num_processes: int, log: Path, namespace: bool) -> subprocess.Popen:
     """The launch in a session of its own; its output goes to `log`, not a pipe: a pipe's reader
     would wait for every process that holds it, the recipe included, not for the launcher."""
     cmd, env = launch_command("text_classification", args, num_processes, launcher=launcher)
     # A checkpoint write of about 2 s, as a real model's takes (a tiny model's takes milliseconds).
     hooks = os.pathsep.join(filter(None, [str(ROOT / "tests" / "fault_hooks"), env.get("PYTHONPATH")]))
     env |= {"PYTHONPATH": hooks, "FT_ACCUM_SLOW_PUBLISH_SECONDS": "2"}
+    if namespace:  # the launcher as PID 1 of a new PID namespace, as in a container (needs root)
+        cmd = ["unshare", "--fork", "--pid", "--mount-proc", *cmd]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -66,20 +69,22 @@ def measure(launcher: str, scenario: str, model: Path, data: dict, work: Path) -
     args = tiny_args(model, data, out, per_device_train_batch_size=4, effective_batch_size=8, max_train_steps=400,
                      num_train_epochs=100)  # fmt: skip
     log = work / f"{out.name}.log"
-    process = start_run(launcher, args, num_processes, log)
+    process = start_run(launcher, args, num_processes, log, namespace=target == "pid 1")
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):
         if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(
-                f"{scenario}: the run ended before it could be signalled:\n{log.read_text()[-3000:]}"
-            )
+            raise RuntimeError(f"{scenario}: the run ended before it could be signalled:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
     sent = time.monotonic()
     if target == "group":
         os.killpg(process.pid, signum)
-    else:
+    elif target == "launcher":
         os.kill(process.pid, signum)
+    else:  # unshare's child is the launcher, PID 1 in its namespace
+        import psutil
+
+        os.kill(psutil.Process(process.pid).children()[0].pid, signum)
     try:
         process.wait(timeout=300)
     except subprocess.TimeoutExpired:

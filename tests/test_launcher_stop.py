@@ -41,8 +41,10 @@ def run_args(model_dir, data_files, out, **overrides):
     return tiny_args(model_dir, data_files, out, **settings)
 
 
-def start(args, num_processes=1, config_file=None, publish_seconds=1.0):
+def start(args, num_processes=1, config_file=None, publish_seconds=1.0, namespace=False):
     cmd, env = launch_command("text_classification", args, num_processes, config_file, launcher="ft-accum")
+    if namespace:  # the launcher as PID 1 of a new PID namespace, as in a container
+        cmd = ["unshare", "--fork", "--pid", "--mount-proc", *cmd]
     env |= {"PYTHONPATH": str(FAULT_HOOKS), "FT_ACCUM_SLOW_PUBLISH_SECONDS": str(publish_seconds)}
     log = Path(args[[a.split("=")[0] for a in args].index("--output_dir")].split("=", 1)[1] + ".log")
     with open(log, "w") as f:  # a file, not a pipe: a pipe's reader would wait for the recipe too
@@ -75,16 +77,26 @@ def stop_checkpoints(out):
         pytest.param(1, signal.SIGTERM, "group", 143, id="1 process, killpg SIGTERM (SLURM scancel)"),
         pytest.param(1, signal.SIGINT, "group", 130, id="1 process, killpg SIGINT (Ctrl-C)"),
         pytest.param(1, signal.SIGTERM, "launcher", 143, id="1 process, SIGTERM to the launcher alone (docker stop)"),
+        pytest.param(1, signal.SIGTERM, "pid 1", 143, id="1 process, SIGTERM to PID 1 of a PID namespace (container)"),
         pytest.param(2, signal.SIGTERM, "group", 143, id="2 processes, killpg SIGTERM"),
     ],
 )
 def test_the_checkpoint_is_complete_when_the_launcher_returns(
     tmp_path, tiny_model_dir, data_files, num_processes, signum, target, code
 ):
+    if target == "pid 1" and subprocess.run(["unshare", "--fork", "--pid", "--mount-proc", "true"]).returncode:
+        pytest.skip("this machine cannot create a PID namespace (unshare needs root)")
     out = tmp_path / "run"
-    process, log = start(run_args(tiny_model_dir, data_files, out), num_processes)
+    process, log = start(run_args(tiny_model_dir, data_files, out), num_processes, namespace=target == "pid 1")
     wait_for_updates(process, out)
-    os.killpg(process.pid, signum) if target == "group" else os.kill(process.pid, signum)
+    if target == "group":
+        os.killpg(process.pid, signum)
+    elif target == "launcher":
+        os.kill(process.pid, signum)
+    else:  # unshare's child: the launcher, PID 1 inside its namespace; a PID 1 without a handler ignores SIGTERM
+        import psutil
+
+        os.kill(psutil.Process(process.pid).children()[0].pid, signum)
     process.wait(timeout=300)
 
     # The launcher has returned: nothing of the launch may still be running or writing.
