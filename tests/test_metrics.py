@@ -32,3 +32,29 @@ def test_accuracy_and_f1_match_sklearn(seed):
 def test_metrics_load_with_the_hub_unreachable(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert load_metric("accuracy").compute(predictions=[1, 0], references=[1, 1])["accuracy"] == 0.5
+
+
+def test_a_metric_that_is_not_shipped_is_one_line_offline(monkeypatch):
+    """Issue 27: load_metric("pearsonr") offline ended in a raw FileNotFoundError traceback."""
+    from ft_accum.errors import ConfigError, one_line_errors
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
+    with pytest.raises(SystemExit) as exit_info, one_line_errors():
+        load_metric("pearsonr")
+    message = str(exit_info.value.code)
+    assert message.startswith("error: metric 'pearsonr' is not shipped") and "\n" not in message, message
+    assert all(name in message for name in BUNDLED_METRICS) and "<name>.py" in message
+    with pytest.raises(ConfigError):
+        load_metric("no_such_metric_anywhere")
+
+
+def test_a_local_evaluate_module_loads_by_its_folder(tmp_path):
+    import shutil
+
+    from ft_accum.metrics import BUNDLED_METRICS_DIR
+
+    folder = tmp_path / "my_accuracy"
+    folder.mkdir()
+    shutil.copy(BUNDLED_METRICS_DIR / "accuracy" / "accuracy.py", folder / "my_accuracy.py")
+    assert load_metric(str(folder)).compute(predictions=[1, 1], references=[1, 0])["accuracy"] == 0.5
