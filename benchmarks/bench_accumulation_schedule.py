@@ -98,7 +98,7 @@ def main():
             f"| {r['contender']} | {r['seed']} | {r['eval_accuracy']:.3f} | {r['eval_loss']:.3f} | {r['updates']} | {r['samples']} | "
             f"{', '.join(map(str, r['batch_path']))} | {r['wall_seconds']:.0f} |"
         )
-    from ft_accum.report import make_report
+    from ft_accum.cli.report import make_report
 
     seed_dirs = sorted((ROOT / "outputs" / "bench_accumulation_schedule").glob(f"*-seed{args.seeds[0]}"))
     make_report([str(d) for d in seed_dirs], str(outputs))

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ft_accum.testing import reset_accelerate_state
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MICRO, ACCUMULATION = 4, 4
@@ -34,20 +36,17 @@ def flat_grad(model) -> torch.Tensor:
 
 def accelerate_accumulate(model, micro_batches):
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=len(micro_batches))
     model = accelerator.prepare(model)
     for batch in micro_batches:
         with accelerator.accumulate(model):
             accelerator.backward(model(**batch).loss)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
 
 def trainer_gradient(model, rows, collate):
     """The gradient the Trainer hands to its optimizer for one update over all rows (LR 0, no clipping)."""
-    from accelerate.state import AcceleratorState, GradientState
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     class Capture(TrainerCallback):
@@ -72,8 +71,7 @@ def trainer_gradient(model, rows, collate):
             seed=0,
         )
         Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[capture]).train()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     for p, g in zip(model.parameters(), torch.split(capture.grad, [p.numel() for p in model.parameters()])):
         p.grad = g.view_as(p).clone()
 
@@ -101,7 +99,7 @@ def lm_errors(arch: str) -> dict[str, dict[str, float]]:
     """Padded variable-length LM: 16 documents, 4 micro-batches of 4."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling
 
-    from ft_accum.loss_normalization import causal_lm_loss_sum
+    from ft_accum.core.loss_normalization import causal_lm_loss_sum
     from ft_accum.testing import make_documents, make_tiny_lm
 
     model_dir = make_tiny_lm(arch, Path(tempfile.mkdtemp()))
@@ -125,7 +123,7 @@ def lm_errors(arch: str) -> dict[str, dict[str, float]]:
             (causal_lm_loss_sum(logits_of(model, batch), batch["labels"])[0] / count).backward()
 
     def ours(model):  # recipes/causal_lm.py: loss sums, targets counted after the shift, one exact window scale
-        from ft_accum.loss_normalization import scale_gradients_, window_gradient_scale
+        from ft_accum.core.loss_normalization import scale_gradients_, window_gradient_scale
 
         targets = 0
         for batch in micro_batches:
@@ -150,7 +148,7 @@ def classification_errors(num_samples: int) -> dict[str, dict[str, float]]:
     """Fixed-length classification: every input is 16 tokens, so padding plays no part."""
     from transformers import BertConfig, BertForSequenceClassification, default_data_collator
 
-    from ft_accum.loss_normalization import scale_gradients_, window_gradient_scale
+    from ft_accum.core.loss_normalization import scale_gradients_, window_gradient_scale
 
     generator = torch.Generator().manual_seed(5)
     ids = torch.randint(5, 100, (num_samples, 16), generator=generator)

@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ft_accum.benchmarking import launch_recipe, steady_rate
+from ft_accum.testing.benchmarking import launch_recipe, steady_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ Every run does the same number of micro-batches (48), so accumulation 16 is 3 up
 Each run is a fresh process; the variants are interleaved within a repeat, each repeat starting
 with the next variant (plain, accelerate, trainer, recipe; then accelerate, trainer, recipe, plain;
 ...), and each run's figure is its median per-update rate, warm-up update
-left out (ft_accum/benchmarking.py). Reported: the median over repeats and the median of the
+left out (ft_accum/testing/benchmarking.py). Reported: the median over repeats and the median of the
 per-repeat ratios to the plain loop. --quick runs tiny models in this process, once: a smoke test of
 the code, not a measurement.
 """
@@ -32,7 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ft_accum.benchmarking import (
+from ft_accum.testing import reset_accelerate_state
+from ft_accum.testing.benchmarking import (
     UpdateClock,
     plain_accumulation_loop,
     run_recipe,
@@ -53,7 +54,7 @@ def build_model_dir(task: str, quick: bool, path: Path) -> Path:
     """The model every variant loads: the bundled MiniLM (classification), or a GPT-2 from a config."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from ft_accum.offline_assets import bundled_minilm_dir, bundled_smollm2_dir
+    from ft_accum.data.offline_assets import bundled_minilm_dir, bundled_smollm2_dir
 
     if task == "classification":
         if not quick:
@@ -101,7 +102,7 @@ def load_inputs(task: str, model_dir: Path, num_rows: int):
         default_data_collator,
     )
 
-    from ft_accum.offline_assets import load_bbc_news
+    from ft_accum.data.offline_assets import load_bbc_news
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = load_bbc_news(seed=SEED)["train"]
@@ -143,7 +144,6 @@ def run_plain(task, model_dir, accumulation, updates):
 def run_accelerate(task, model_dir, accumulation, updates):
     import torch
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
     from torch.utils.data import DataLoader
     from transformers import get_scheduler
 
@@ -168,14 +168,12 @@ def run_accelerate(task, model_dir, accumulation, updates):
             optimizer.zero_grad()
         if accelerator.sync_gradients:
             clock.tick()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     return clock
 
 
 def run_trainer(task, model_dir, accumulation, updates):
     import torch
-    from accelerate.state import AcceleratorState, GradientState
     from transformers import Trainer, TrainingArguments
 
     torch.manual_seed(SEED)
@@ -201,8 +199,7 @@ def run_trainer(task, model_dir, accumulation, updates):
         Trainer(
             model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[trainer_callback(clock)]
         ).train()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     return clock
 
 

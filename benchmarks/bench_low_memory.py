@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from ft_accum import memory_planner
-from ft_accum.benchmarking import machine_info, optimizer_state_bytes, run_recipe
-from ft_accum.run_setup import build_optimizer
+from ft_accum.planner import memory_planner
+from ft_accum.testing.benchmarking import machine_info, optimizer_state_bytes, run_recipe
+from ft_accum.training.run_setup import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGURATIONS = {
@@ -57,7 +57,7 @@ def state_bytes(model_dir: str | None, dtype: str, optim: str) -> dict:
     """Weights, gradients and optimizer state after one step, from the real tensors (GiB)."""
     from transformers import AutoModelForCausalLM
 
-    from ft_accum.offline_assets import bundled_smollm2_dir
+    from ft_accum.data.offline_assets import bundled_smollm2_dir
 
     model = AutoModelForCausalLM.from_pretrained(model_dir or bundled_smollm2_dir())
     model = model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])

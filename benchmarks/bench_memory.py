@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ft_accum.benchmarking import run_recipe
+from ft_accum.testing.benchmarking import run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

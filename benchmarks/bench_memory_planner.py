@@ -2,7 +2,7 @@
 
     python benchmarks/bench_memory_planner.py > benchmarks/results/memory_planner.json
 
-Predicted: `ft_accum.memory_planner.trace_step` on fake tensors (no weights allocated).
+Predicted: `ft_accum.planner.memory_planner.trace_step` on fake tensors (no weights allocated).
 Measured, on real CPU tensors, in a fresh subprocess per size:
 - `torch.distributed._tools.mem_tracker.MemTracker`'s peak (every tensor allocation);
 - the growth of the process's peak RSS over the step (what the OS saw: allocator overhead,
@@ -23,7 +23,7 @@ MEASURE = r"""
 import json, resource, sys, torch
 from transformers import GPT2Config
 from torch.distributed._tools.mem_tracker import MemTracker
-from ft_accum.memory_planner import build_model
+from ft_accum.planner.memory_planner import build_model
 width, layers, micro, seq_len = map(int, sys.argv[1:5])
 config = GPT2Config(n_embd=width, n_layer=layers, n_head=width // 64, n_positions=1024)
 torch.manual_seed(0)
@@ -48,14 +48,14 @@ print(json.dumps({"memtracker_peak": tracker.get_tracker_snapshot("peak")[torch.
 def main():
     from transformers import GPT2Config
 
-    from ft_accum.memory_planner import GIB, trace_step
+    from ft_accum.planner.memory_planner import GIB, trace_step
 
     started = time.perf_counter()
     plan = subprocess.run(
         [
             sys.executable,
             "-m",
-            "ft_accum.cli",
+            "ft_accum.cli.main",
             "plan",
             "--model",
             "llama-3.1-8b",

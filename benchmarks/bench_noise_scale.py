@@ -13,8 +13,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ft_accum.benchmarking import steady_rate, summarize
 from ft_accum.testing import launch_command, read_metrics
+from ft_accum.testing.benchmarking import steady_rate, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 

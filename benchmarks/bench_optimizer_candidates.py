@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ft_accum.benchmarking import machine_info, optimizer_state_bytes
+from ft_accum.testing.benchmarking import machine_info, optimizer_state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """python benchmarks/bench_output_loss.py [--quick]
 
-The chunked output-layer loss (ft_accum/output_loss.py) against the two unchunked loss paths, on
+The chunked output-layer loss (ft_accum/models/output_loss.py) against the two unchunked loss paths, on
 the settings of issue 16 (GPT-2 124M and Qwen2.5-0.5B, 1024 tokens, bf16 mixed precision, fused
 AdamW, fused attention):
 
@@ -9,7 +9,7 @@ AdamW, fused attention):
 - logits:  the recipes before issue 16 (`causal_lm_loss_sum` on the full logits; --no_chunked_loss);
 - chunked: the recipes now.
 
-1. Memory: the peak of one training step as `ft_accum.memory_planner` traces it (fake tensors; its
+1. Memory: the peak of one training step as `ft_accum.planner.memory_planner` traces it (fake tensors; its
    tracker gives the same bytes on real CPU tensors, tests/test_output_loss.py). On a GPU,
    benchmarks/gpu_check.py measures the real peaks.
 2. Time, on this CPU: forward + backward of the loss alone (hidden states → summed loss →
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ft_accum import memory_planner
-from ft_accum.loss_normalization import causal_lm_loss_sum
-from ft_accum.output_loss import linear_cross_entropy_sum, shift_labels
+from ft_accum.core.loss_normalization import causal_lm_loss_sum
+from ft_accum.models.output_loss import linear_cross_entropy_sum, shift_labels
+from ft_accum.planner import memory_planner
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_PATHS = ("model", "logits", "chunked")

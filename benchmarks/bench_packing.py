@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ft_accum.benchmarking import run_recipe, steady_rate
+from ft_accum.testing.benchmarking import run_recipe, steady_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def build_model_dir(path: Path, quick: bool) -> Path:
     """GPT-2 from a config (4 layers, 256 wide; 1 × 32 with --quick), SmolLM2's tokenizer and chat template."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from ft_accum.offline_assets import bundled_smollm2_dir
+    from ft_accum.data.offline_assets import bundled_smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_dir())
     width, layers = (32, 1) if quick else (256, 4)

@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ft_accum.benchmarking import run_recipe
+from ft_accum.testing import reset_accelerate_state
+from ft_accum.testing.benchmarking import run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 SST2 = ROOT.parent / "shared" / "data" / "sst2"
@@ -141,10 +142,7 @@ def run_trainer(model_dir, train_samples, seed, learning_rate, quick=False) -> d
     started = time.perf_counter()
     if quick:
         result = trainer_run(model_dir, train_samples, seed, learning_rate, quick=True)
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerate_state()
     else:
         proc = subprocess.run(
             [
@@ -164,7 +162,7 @@ def run_trainer(model_dir, train_samples, seed, learning_rate, quick=False) -> d
 def measure(seeds=(42, 43, 44), train_samples=2048, quick=False) -> dict:
     if not (SST2 / "train.tsv").exists():
         return {"skipped": f"{SST2} not found: SST-2 is shared material beside the project, not part of it"}
-    from ft_accum.offline_assets import bundled_minilm_dir
+    from ft_accum.data.offline_assets import bundled_minilm_dir
 
     with tempfile.TemporaryDirectory() as models:
         model_dir = bundled_minilm_dir()

@@ -15,8 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ft_accum.benchmarking import run_recipe
 from ft_accum.testing import load_script
+from ft_accum.testing.benchmarking import run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 UPDATES = 14

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from ft_accum.testing import reset_accelerate_state
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MICRO, ACCUMULATION = 2, 2
@@ -43,11 +45,10 @@ MICRO, ACCUMULATION = 2, 2
 
 def main():
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import InitProcessGroupKwargs
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling
 
-    from ft_accum.loss_normalization import causal_lm_loss_sum
+    from ft_accum.core.loss_normalization import causal_lm_loss_sum
     from ft_accum.testing import make_documents, make_tiny_lm
 
     model_dir = make_tiny_lm("gpt2", Path(tempfile.mkdtemp()))  # deterministic: every process builds the same one
@@ -94,8 +95,7 @@ def main():
                 optimizer.zero_grad()
         ratios[method] = float(accelerator.deepspeed_engine_wrapped.get_global_grad_norm()) / reference_norm
         accelerator.free_memory()
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerate_state()
     if rank == 0:
         print(json.dumps({"reference_grad_norm": reference_norm, "grad_norm_ratio": ratios}))
 

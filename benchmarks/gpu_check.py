@@ -2,7 +2,7 @@
 
 Everything only a GPU can check, in one run of at most 8 minutes on one GPU. It writes one results
 file ($OUT/gpu_check.json when $OUT is set, else benchmarks/results/gpu_check.json) and prints a
-table. Models are built from the shipped configs (ft_accum/model_configs) with random weights and
+table. Models are built from the shipped configs (ft_accum/planner/model_configs) with random weights and
 the bundled MiniLM tokenizer; the data is the bundled BBC News; nothing is downloaded. It needs
 torch, transformers, accelerate, peft, and this project's [demo] data packages, datasets and evaluate.
 
@@ -13,7 +13,7 @@ torch, transformers, accelerate, peft, and this project's [demo] data packages, 
    bits: a summation order changes the result at about 2^-8 and 2^-11 per operation, over 6 updates).
 2. planner against the recipe: recipes/causal_lm.py --packing --block_size 1024 on GPT-2 124M, bf16
    mixed precision, micro-batch 1, 4 and 8, checkpointing off and on, 3 updates each:
-   `torch.cuda.max_memory_allocated` of the run against `ft_accum.memory_planner` for the same
+   `torch.cuda.max_memory_allocated` of the run against `ft_accum.planner.memory_planner` for the same
    settings (the planner traces the recipe's own step). Pass: predicted / measured in 0.90–1.10.
 3. the README's 12 GB table: every cell the planner says fits (benchmarks/results/plan_12gb.json)
    runs 2 updates of its recommended split under `torch.cuda.set_per_process_memory_fraction` at
@@ -67,7 +67,7 @@ def dropout_free_minilm(path: Path) -> Path:
     """The bundled MiniLM with dropout off: (8 × 1) and (2 × 4) then differ only in how the batch is split."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    from ft_accum.offline_assets import bundled_minilm_dir
+    from ft_accum.data.offline_assets import bundled_minilm_dir
 
     source = bundled_minilm_dir()
     config = AutoConfig.from_pretrained(source, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -138,7 +138,7 @@ def random_model_dir(config, task: str, path: Path) -> Path:
     import transformers
     from transformers import AutoTokenizer
 
-    from ft_accum.offline_assets import bundled_minilm_dir
+    from ft_accum.data.offline_assets import bundled_minilm_dir
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -154,7 +154,7 @@ def random_model_dir(config, task: str, path: Path) -> Path:
 
 def recipe_run(recipe: str, args: list[str], mixed_precision: str) -> tuple[dict, float, list[dict]]:
     """(all_results, peak GiB, metrics records) of one in-process run of the recipe, its peak its own."""
-    from ft_accum.benchmarking import run_recipe as run_in_process_with_metrics
+    from ft_accum.testing.benchmarking import run_recipe as run_in_process_with_metrics
 
     os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision
     gc.collect()
@@ -185,7 +185,7 @@ def lm_args(model_dir: Path, block: int, micro: int, accumulation: int, updates:
 
 
 def check_planner(models: Path, dry_run: bool) -> list[dict]:
-    from ft_accum.memory_planner import load_model_config, trace_micro_batches
+    from ft_accum.planner.memory_planner import load_model_config, trace_micro_batches
 
     config = load_model_config("gpt2-124m")
     block, micros = 1024, [1, 4, 8]
@@ -216,7 +216,7 @@ def check_planner(models: Path, dry_run: bool) -> list[dict]:
 
 def dry_run_cells(models: Path) -> list[dict]:
     """Tiny stand-ins for plan_12gb.json's cells, one per recipe and mode, to test check_12gb_table on CPU."""
-    from ft_accum.memory_planner import load_model_config
+    from ft_accum.planner.memory_planner import load_model_config
 
     cells = []
     for name, task, seq_len, shrink in (
@@ -255,7 +255,7 @@ def dry_run_cells(models: Path) -> list[dict]:
 
 
 def check_12gb_table(models: Path, cells: list[dict]) -> list[dict]:
-    from ft_accum.memory_planner import load_model_config, recipe_flags
+    from ft_accum.planner.memory_planner import load_model_config, recipe_flags
 
     cuda = torch.cuda.is_available()
     total = torch.cuda.get_device_properties(0).total_memory if cuda else None
@@ -374,7 +374,7 @@ def packed_rows(model_dir: Path, block: int, count: int) -> list[dict]:
     """`count` packed blocks of the bundled BBC News, as the recipe's --packing cuts them."""
     from transformers import AutoTokenizer
 
-    from ft_accum.offline_assets import load_bbc_news
+    from ft_accum.data.offline_assets import load_bbc_news
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = []
@@ -401,7 +401,7 @@ def cuda_peak_gib() -> float:
 def run_plain(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM, default_data_collator
 
-    from ft_accum.benchmarking import plain_accumulation_loop
+    from ft_accum.testing.benchmarking import plain_accumulation_loop
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(42)
@@ -416,8 +416,8 @@ def run_plain(model_dir, rows, micro, accumulation, updates) -> tuple[float, flo
 def run_trainer(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
-    from ft_accum.benchmarking import UpdateClock, trainer_callback
     from ft_accum.testing import reset_accelerate_state
+    from ft_accum.testing.benchmarking import UpdateClock, trainer_callback
 
     clock = UpdateClock()
     torch.manual_seed(42)
@@ -459,7 +459,7 @@ def run_recipe_checkpointed(model_dir, rows, micro, accumulation, updates) -> tu
 
 
 def check_throughput(models: Path, dry_run: bool) -> list[dict]:
-    from ft_accum.memory_planner import load_model_config
+    from ft_accum.planner.memory_planner import load_model_config
 
     config = load_model_config("gpt2-124m")
     micro, accumulation, updates, block = 8, 4, 12, 1024
@@ -483,7 +483,7 @@ def check_throughput(models: Path, dry_run: bool) -> list[dict]:
     figures = ", ".join(f"{n} {median[n] * block:,.0f} tokens/s, peak {peaks[n]:.2f} GiB" for n in loops)
     reported = []
     if "recipe --offload_activations" in median:
-        from ft_accum.memory_planner import implied_copy_gbps, trace_micro_batches
+        from ft_accum.planner.memory_planner import implied_copy_gbps, trace_micro_batches
 
         offloaded, checkpointed = median["recipe --offload_activations"], median["recipe --gradient_checkpointing"]
         # The planner's bytes for this run turn the measured slowdown into the bandwidth its copy model
@@ -555,7 +555,7 @@ def main():
             rows += check_throughput(models, dry_run=args.dry_run)
         if 5 in checks and not args.dry_run:
             rows += check_oom_replan(minilm)
-    from ft_accum.benchmarking import machine_info
+    from ft_accum.testing.benchmarking import machine_info
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run: says nothing about GPUs)"
     print(f"device: {device}, {time.perf_counter() - started:.0f} s\n")

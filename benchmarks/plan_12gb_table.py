@@ -15,8 +15,8 @@ import json
 import time
 from pathlib import Path
 
-from ft_accum.errors import ConfigError
-from ft_accum.memory_planner import plan
+from ft_accum.core.errors import ConfigError
+from ft_accum.planner.memory_planner import plan
 
 MODELS = [  # (shipped config, task, sequence length)
     ("bert-base-uncased", "text_classification", 256),

@@ -54,10 +54,10 @@ def plain_loop(model, loader):
 def recipe_loop(model, loader, chunked: bool):
     from accelerate import Accelerator
 
-    from ft_accum.batch_arithmetic import BatchPlan, apply_batch_plan
-    from ft_accum.loss_normalization import AccumulationWindow
-    from ft_accum.output_loss import OutputLoss
-    from ft_accum.training_state import TrainingState
+    from ft_accum.core.batch_arithmetic import BatchPlan, apply_batch_plan
+    from ft_accum.core.loss_normalization import AccumulationWindow
+    from ft_accum.models.output_loss import OutputLoss
+    from ft_accum.training.training_state import TrainingState
 
     recipe = load_script(ROOT / "recipes" / "causal_lm.py", "profiled_causal_lm")
     accelerator = Accelerator(cpu=True)

@@ -28,8 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ft_accum.benchmarking import machine_info
 from ft_accum.testing import load_script
+from ft_accum.testing.benchmarking import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
 # The sections are scripts of their own, loaded by path (benchmarks/ is a folder of scripts, not a package).

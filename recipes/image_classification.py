@@ -10,7 +10,7 @@ one sub-folder per class) or --dataset_name, and at a pretrained model with --mo
 
 BatchNorm is not equivalent under accumulation: it normalises each micro-batch on its own and
 moves its running statistics once per micro-batch. --batchnorm groupnorm (from scratch) or
---batchnorm freeze (pretrained) make the run exact; keep warns (see ft_accum/norm.py).
+--batchnorm freeze (pretrained) make the run exact; keep warns (see ft_accum/models/norm.py).
 
 The settings that matter:
 - --effective_batch_size (or --gradient_accumulation_steps): the update is computed over
@@ -32,17 +32,19 @@ import transformers
 from accelerate.utils import set_seed
 from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig
 
-from ft_accum import data_sources, loading, low_memory, norm, offline_assets, run_outputs, training_state
-from ft_accum.accumulation_schedule import AccumulationScheduler
-from ft_accum.arguments import run_main
-from ft_accum.batch_arithmetic import apply_batch_plan
-from ft_accum.errors import ConfigError
-from ft_accum.graceful_stop import GracefulStop
-from ft_accum.loss_normalization import AccumulationWindow
-from ft_accum.memory import OutOfMemoryRetry
-from ft_accum.metrics import load_metric
-from ft_accum.noise_scale import NoiseScaleMeter
-from ft_accum.run_setup import build_accelerator, build_optimizer, run_banner
+from ft_accum.core.accumulation_schedule import AccumulationScheduler
+from ft_accum.core.batch_arithmetic import apply_batch_plan
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.loss_normalization import AccumulationWindow
+from ft_accum.core.noise_scale import NoiseScaleMeter
+from ft_accum.data import data_sources, offline_assets
+from ft_accum.data.metrics import load_metric
+from ft_accum.models import loading, low_memory, norm
+from ft_accum.training import run_outputs, training_state
+from ft_accum.training.arguments import run_main
+from ft_accum.training.graceful_stop import GracefulStop
+from ft_accum.training.memory import OutOfMemoryRetry
+from ft_accum.training.run_setup import build_accelerator, build_optimizer, run_banner
 
 # transformers ≥ 5 has the PIL backend, which needs no torchvision, as a class of its own.
 ImageProcessor = getattr(transformers, "ViTImageProcessorPil", transformers.ViTImageProcessor)

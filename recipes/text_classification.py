@@ -30,17 +30,19 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-from ft_accum import data_sources, loading, low_memory, offline_assets, run_outputs, training_state
-from ft_accum.accumulation_schedule import AccumulationScheduler
-from ft_accum.arguments import run_main
-from ft_accum.batch_arithmetic import apply_batch_plan
-from ft_accum.errors import ConfigError
-from ft_accum.graceful_stop import GracefulStop
-from ft_accum.loss_normalization import AccumulationWindow
-from ft_accum.memory import OutOfMemoryRetry
-from ft_accum.metrics import load_metric
-from ft_accum.noise_scale import NoiseScaleMeter
-from ft_accum.run_setup import build_accelerator, build_optimizer, run_banner
+from ft_accum.core.accumulation_schedule import AccumulationScheduler
+from ft_accum.core.batch_arithmetic import apply_batch_plan
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.loss_normalization import AccumulationWindow
+from ft_accum.core.noise_scale import NoiseScaleMeter
+from ft_accum.data import data_sources, offline_assets
+from ft_accum.data.metrics import load_metric
+from ft_accum.models import loading, low_memory
+from ft_accum.training import run_outputs, training_state
+from ft_accum.training.arguments import run_main
+from ft_accum.training.graceful_stop import GracefulStop
+from ft_accum.training.memory import OutOfMemoryRetry
+from ft_accum.training.run_setup import build_accelerator, build_optimizer, run_banner
 
 
 @dataclass

@@ -18,8 +18,8 @@ from conftest import (
     tiny_args,
 )
 
-from ft_accum import batch_arithmetic
-from ft_accum.accumulation_schedule import (
+from ft_accum.core import batch_arithmetic
+from ft_accum.core.accumulation_schedule import (
     AccumulationSchedule,
     adaptive_effective_batch,
     check_schedule,
@@ -28,7 +28,7 @@ from ft_accum.accumulation_schedule import (
     scheduler_advance,
     set_peak_learning_rate,
 )
-from ft_accum.errors import ConfigError
+from ft_accum.core.errors import ConfigError
 
 
 def test_parse_updates_epochs_and_adaptive():

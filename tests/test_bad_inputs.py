@@ -30,8 +30,8 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from ft_accum import checkpointing
-from ft_accum.integrity import sha256_of
+from ft_accum.core.integrity import sha256_of
+from ft_accum.training import checkpointing
 
 COMMON = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "checkpointing_steps": 1}
 

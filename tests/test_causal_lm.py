@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from conftest import (
     RTOL,
     assert_same_run,
@@ -30,12 +29,13 @@ from transformers import (
     DataCollatorForLanguageModeling,
 )
 
-from ft_accum import loading
-from ft_accum.loss_normalization import (
+from ft_accum.core.loss_normalization import (
     causal_lm_loss_sum,
     scale_gradients_,
     window_gradient_scale,
 )
+from ft_accum.models import loading
+from ft_accum.testing import reset_accelerate_state
 
 
 def flat_grad(model):
@@ -74,8 +74,7 @@ def window_gradients(model_dir, docs, micro, accumulation, method):
                     model.zero_grad()
                     tokens = 0
     finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerate_state()
     return grads
 
 

@@ -3,18 +3,17 @@ import json
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 
-from ft_accum import checkpointing
-from ft_accum.errors import ConfigError
+from ft_accum.core.errors import ConfigError
+from ft_accum.testing import reset_accelerate_state
+from ft_accum.training import checkpointing
 
 
 @pytest.fixture
 def accelerator():
     acc = Accelerator(cpu=True)
     yield acc
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
 
 def prepared(accelerator):
@@ -196,7 +195,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, accelerator):
 
 
 def test_output_dir_guard(tmp_path):
-    from ft_accum.run_outputs import prepare_output_dir
+    from ft_accum.training.run_outputs import prepare_output_dir
 
     prepare_output_dir(tmp_path / "new", resume=False, overwrite=False)  # a fresh folder is created
     assert (tmp_path / "new").is_dir()

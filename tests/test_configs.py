@@ -10,7 +10,7 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from conftest import ROOT, load_recipe
 
-from ft_accum.arguments import read_yaml_config
+from ft_accum.training.arguments import read_yaml_config
 
 ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
@@ -40,7 +40,7 @@ def test_accelerate_config_loads_with_accelerate(path):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_config_matches_its_dataclass(recipe):
-    from ft_accum.arguments import TrainingArguments
+    from ft_accum.training.arguments import TrainingArguments
 
     module = load_recipe(recipe)
     values = read_yaml_config(ROOT / "recipes" / "configs" / f"{recipe}.yaml", module.TaskArguments, TrainingArguments)
@@ -118,7 +118,7 @@ def test_help_lists_the_flags(recipe, capsys):
 
 
 def test_the_example_sweep_file_is_valid():
-    from ft_accum.sweep import load_sweep
+    from ft_accum.cli.sweep import load_sweep
 
     sweep = load_sweep(ROOT / "recipes" / "configs" / "sweep_text_classification.yaml")
     assert len(sweep["runs"]) == 4 and Path(sweep["accelerate_config"]).is_file()

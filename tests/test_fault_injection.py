@@ -27,8 +27,8 @@ from conftest import (
     write_jsonl,
 )
 
-from ft_accum import checkpointing
-from ft_accum.sweep import process_tree
+from ft_accum.cli.sweep import process_tree
+from ft_accum.training import checkpointing
 
 pytestmark = pytest.mark.launch
 

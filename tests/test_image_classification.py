@@ -21,7 +21,7 @@ from conftest import (
     run_in_process,
 )
 
-from ft_accum.norm import (
+from ft_accum.models.norm import (
     apply_batchnorm_policy,
     convert_batchnorm_to_groupnorm,
     find_batchnorm,

@@ -10,10 +10,10 @@ from accelerate import Accelerator
 from conftest import RTOL, launch, read_metrics, recipe_args, run_in_process, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ft_accum import chat_data
-from ft_accum.errors import ConfigError
-from ft_accum.loss_normalization import causal_lm_loss_sum
-from ft_accum.output_loss import OutputLoss
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.loss_normalization import causal_lm_loss_sum
+from ft_accum.data import chat_data
+from ft_accum.models.output_loss import OutputLoss
 from ft_accum.testing import (
     final_weights,
     make_conversations,

@@ -2,7 +2,7 @@
 
 Users wait for the launcher, not for the recipe: a scheduler ends the job, and a container its
 processes, when the launcher exits. So each test starts `ft-accum launch` (Accelerate's launch
-with a stop that waits, ft_accum/launcher.py) in a session of its own, signals it as SLURM,
+with a stop that waits, ft_accum/cli/launcher.py) in a session of its own, signals it as SLURM,
 Ctrl-C or `docker stop` would, waits for the launcher process alone, and only then looks: the
 stop's checkpoint must be complete, no process of the launch left, the exit status 128 + signal,
 no traceback, and the resume command (the launch command as typed) written and printed.
@@ -27,8 +27,8 @@ import torch
 import yaml
 from conftest import CPU_CONFIG, ROOT, final_weights, launch_command, read_metrics, tiny_args
 
-from ft_accum import graceful_stop
-from ft_accum.graceful_stop import resume_command
+from ft_accum.training import graceful_stop
+from ft_accum.training.graceful_stop import resume_command
 
 pytestmark = pytest.mark.launch
 FAULT_HOOKS = Path(__file__).parent / "fault_hooks"

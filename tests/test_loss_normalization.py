@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ft_accum.errors import ConfigError
-from ft_accum.loss_normalization import (
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.loss_normalization import (
     check_finite_window,
     check_skipped_updates,
     scale_gradients_,

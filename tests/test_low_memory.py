@@ -13,7 +13,8 @@ import torch
 from conftest import RTOL, error_of, launch, read_metrics, recipe_args, run_in_process, tiny_lm_args, write_jsonl
 from safetensors.torch import load_file
 
-from ft_accum import loading, low_memory, memory_planner
+from ft_accum.models import loading, low_memory
+from ft_accum.planner import memory_planner
 from ft_accum.testing import make_conversations, make_tiny_chat_lm, make_tiny_lm, relative_error
 
 bitsandbytes = pytest.importorskip("bitsandbytes", reason='the [lowmem] extra: pip install -e ".[lowmem]"')

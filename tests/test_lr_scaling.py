@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ft_accum.errors import ConfigError
-from ft_accum.lr_scaling import describe_lr_scaling, resolve_lr_policy, scale_learning_rate
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.lr_scaling import describe_lr_scaling, resolve_lr_policy, scale_learning_rate
 
 splits = st.tuples(st.integers(1, 32), st.integers(1, 32), st.integers(1, 8))
 

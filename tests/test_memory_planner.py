@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig
 
-from ft_accum import memory_planner as mp
-from ft_accum.errors import ConfigError
+from ft_accum.core.errors import ConfigError
+from ft_accum.planner import memory_planner as mp
 
 
 def tiny_gpt2(layers=2):
@@ -173,7 +173,7 @@ def test_plan_cli_offline_with_a_config_file_and_json(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "ft_accum.cli",
+        "ft_accum.cli.main",
         "plan",
         "--config",
         str(config_file),
@@ -313,8 +313,8 @@ def test_qlora_8b_and_low_memory_full_fine_tuning_of_1_5b_are_planned_to_fit_12_
 )
 def test_the_recommendation_is_a_whole_run_whose_flags_the_recipe_accepts(settings, expected):
     """The launch line carries every low-memory choice the plan assumed, and causal_lm parses each flag."""
-    from ft_accum.arguments import parse_args
     from ft_accum.testing import load_recipe
+    from ft_accum.training.arguments import parse_args
 
     recommended = {
         "per_device_train_batch_size": 4,
@@ -405,7 +405,7 @@ def test_the_plan_offloads_only_where_a_split_does_not_fit_without_it_and_the_co
     best = slow_copies["recommended"]
     assert not best["offload_activations"] and "--offload_activations" not in slow_copies["launch"], best
 
-    from ft_accum.cli import format_plan
+    from ft_accum.cli.main import format_plan
 
     chosen, declined = (format_plan({**r, "seconds": 0.0}) for r in (free_copies, slow_copies))
     assert "\noffloading:  " in chosen and "predicted 0% slower" in chosen

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ft_accum.metrics import BUNDLED_METRICS, load_metric
+from ft_accum.data.metrics import BUNDLED_METRICS, load_metric
 
 
 def test_bundled_metrics_are_listed():
@@ -36,7 +36,7 @@ def test_metrics_load_with_the_hub_unreachable(monkeypatch):
 
 def test_a_metric_that_is_not_shipped_is_one_line_offline(monkeypatch):
     """Issue 27: load_metric("pearsonr") offline ended in a raw FileNotFoundError traceback."""
-    from ft_accum.errors import ConfigError, one_line_errors
+    from ft_accum.core.errors import ConfigError, one_line_errors
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
@@ -52,7 +52,7 @@ def test_a_metric_that_is_not_shipped_is_one_line_offline(monkeypatch):
 def test_a_local_evaluate_module_loads_by_its_folder(tmp_path):
     import shutil
 
-    from ft_accum.metrics import BUNDLED_METRICS_DIR
+    from ft_accum.data.metrics import BUNDLED_METRICS_DIR
 
     folder = tmp_path / "my_accuracy"
     folder.mkdir()

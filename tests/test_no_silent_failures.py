@@ -21,8 +21,8 @@ import pytest
 import yaml
 from conftest import ROOT, load_recipe, read_metrics, run_in_process, tiny_args
 
-from ft_accum import cli
-from ft_accum.arguments import TrainingArguments, parse_args, run_main
+from ft_accum.cli import main as cli
+from ft_accum.training.arguments import TrainingArguments, parse_args, run_main
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 # Free-form text (paths, column names, prompts): any string is a valid value until it is used, and
@@ -52,7 +52,7 @@ def bad_values(kind):
 
 def cases():
     """The shared TrainingArguments fields once (they are parsed by the same code in every recipe,
-    ft_accum/arguments.py), and each recipe's own task fields for that recipe."""
+    ft_accum/training/arguments.py), and each recipe's own task fields for that recipe."""
     shared = typing.get_type_hints(TrainingArguments)
     for recipe in RECIPES:
         fields = typing.get_type_hints(load_recipe(recipe).TaskArguments)

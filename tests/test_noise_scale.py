@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ft_accum.errors import ConfigError
-from ft_accum.noise_scale import noise_scale, noise_scale_terms, register_micro_batch_hooks, update_ema
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.noise_scale import noise_scale, noise_scale_terms, register_micro_batch_hooks, update_ema
 
 
 def measured_noise_scale(
@@ -142,7 +142,7 @@ def test_the_estimate_does_not_depend_on_how_the_window_is_split():
 def weighted_estimate(sizes_cycle, harmonic: bool, sigma2: float = 10.0, updates: int = 400, dim: int = 50) -> float:
     """Micro-batches of unequal sizes, as token counts are: the library's add_micro_batch and
     window_noise_terms, fed by real backward passes of the token-weighted loss (sum / nominal)."""
-    from ft_accum.noise_scale import add_micro_batch, window_noise_terms
+    from ft_accum.core.noise_scale import add_micro_batch, window_noise_terms
 
     generator = torch.Generator().manual_seed(5)
     w = torch.nn.Parameter(torch.ones(dim, dtype=torch.float64))

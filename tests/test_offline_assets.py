@@ -2,7 +2,7 @@
 
 import json
 
-from ft_accum.offline_assets import (
+from ft_accum.data.offline_assets import (
     BBC_NUM_ARTICLES,
     BBC_TOPICS,
     bundled_minilm_dir,

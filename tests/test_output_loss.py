@@ -8,9 +8,9 @@ from accelerate import Accelerator
 from conftest import make_tiny_lm
 from transformers import AutoModelForCausalLM, T5Config, T5ForConditionalGeneration
 
-from ft_accum import memory_planner
-from ft_accum.loss_normalization import causal_lm_loss_sum
-from ft_accum.output_loss import OutputLoss, linear_cross_entropy_sum, shift_labels
+from ft_accum.core.loss_normalization import causal_lm_loss_sum
+from ft_accum.models.output_loss import OutputLoss, linear_cross_entropy_sum, shift_labels
+from ft_accum.planner import memory_planner
 from ft_accum.testing import reset_accelerate_state
 
 

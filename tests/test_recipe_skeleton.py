@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import ROOT, load_recipe, read_metrics, run_in_process, tiny_args
 
-from ft_accum.arguments import parse_args
+from ft_accum.training.arguments import parse_args
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 

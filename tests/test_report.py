@@ -3,7 +3,7 @@
 import pytest
 from conftest import run_in_process, tiny_args
 
-from ft_accum.cli import main as cli_main
+from ft_accum.cli.main import main as cli_main
 
 pytest.importorskip("matplotlib")
 

@@ -91,8 +91,8 @@ def test_deepspeed_refuses_token_weighted_losses_and_warns_about_the_short_windo
     import torch
     from accelerate.utils import DistributedType
 
-    from ft_accum.errors import ConfigError
-    from ft_accum.run_outputs import check_accelerator
+    from ft_accum.core.errors import ConfigError
+    from ft_accum.training.run_outputs import check_accelerator
 
     printed = []
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -165,7 +165,7 @@ def test_every_trainable_parameter_of_a_warm_start_gets_a_gradient(tmp_path, tin
     warm start and for the saved encoder-decoder loaded back, as the recipe loads both."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from ft_accum.loading import freeze_encoder_pooler, warm_start_encoder_decoder
+    from ft_accum.models.loading import freeze_encoder_pooler, warm_start_encoder_decoder
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     warm = warm_start_encoder_decoder(str(tiny_model_dir), tokenizer)

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from conftest import CPU_CONFIG, ROOT, final_weights, max_abs_difference, run_in_process, tiny_args
 
-from ft_accum import sweep as sweep_module
-from ft_accum.cli import main as cli_main
+from ft_accum.cli import sweep as sweep_module
+from ft_accum.cli.main import main as cli_main
 
 TINY = {
     "max_seq_length": 48,
@@ -52,7 +52,7 @@ def write_sweep(tmp_path, tiny_model_dir, data_files, name="sweep.yaml", **spec)
 
 
 def sweep_command(path, *extra):
-    return [sys.executable, "-m", "ft_accum.cli", "sweep", str(path), *extra]
+    return [sys.executable, "-m", "ft_accum.cli.main", "sweep", str(path), *extra]
 
 
 def read_results(tmp_path):
@@ -246,7 +246,7 @@ def test_a_second_sweep_on_a_busy_folder_refuses_with_the_holders_pid(tmp_path, 
     path = write_sweep(tmp_path, tiny_model_dir, data_files, grid={"learning_rate": [1e-3]})
     (tmp_path / "sweep_out").mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from ft_accum.run_outputs import lock_output_dir; "
+        [sys.executable, "-c", "import sys, time; from ft_accum.training.run_outputs import lock_output_dir; "
          f"lock_output_dir({str(tmp_path / 'sweep_out')!r}); print('locked', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

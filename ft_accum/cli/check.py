@@ -1,0 +1,198 @@
+"""`ft-accum check recipes/my_recipe.py [recipe flags]`: does a recipe keep the template's contract?
+
+docs/writing_a_recipe.md states the contract; this runs it on your copy, in this process, on a few
+rows of whatever data and model your flags (or the recipe's config) give:
+
+1. A bad flag is refused with one `error:` line, not a traceback.
+2. (micro 8 × accumulation 1) and (micro 2 × accumulation 4) give the same updates: per-update
+   loss, gradient norm and counts, and final weights, within `TOLERANCE` (relative). The rows
+   (`--rows`, 20 by default) leave a short last window (8 + 8 + 4).
+3. A run resumed from its first checkpoint ends bit-identical to the uninterrupted run.
+
+The runs use SGD without clipping, warm-up, weight decay or LR scaling, so an update is linear in
+its gradient and a wrong scale shows at its size (AdamW would hide most of it). Every module is
+kept in eval mode, so dropout draws no masks: two splits of the same batch draw different ones,
+and the check is about the loop's arithmetic, not the model's noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+TOLERANCE = 1e-5  # fp32 runs that differ only in summation order agree to ~1e-7
+
+
+@dataclass
+class Result:
+    name: str
+    passed: bool
+    measured: str
+
+
+def load_recipe(path: Path):
+    spec = importlib.util.spec_from_file_location(f"checked_recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "main", None)):
+        raise SystemExit(f"error: {path} has no main(argv) function; see docs/writing_a_recipe.md")
+    return module
+
+
+@contextlib.contextmanager
+def modules_in_eval_mode():
+    """`model.train()` leaves every module in eval mode: no dropout masks (see the module docstring)."""
+    import torch
+
+    train = torch.nn.Module.train
+    torch.nn.Module.train = lambda self, mode=True: train(self, False)
+    try:
+        yield
+    finally:
+        torch.nn.Module.train = train
+
+
+def run(recipe_path: Path, argv: list[str]) -> SystemExit | None:
+    """One in-process run of the recipe (a fresh module and Accelerate state each time)."""
+    from ft_accum.training.run_setup import reset_accelerate_state
+
+    try:
+        load_recipe(recipe_path).main(argv)
+    except SystemExit as exc:
+        return exc
+    finally:
+        reset_accelerate_state()
+    return None
+
+
+def final_weights(output_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    final = output_dir / "final"
+    adapter = final / "adapter_model.safetensors"
+    return load_file(str(adapter if adapter.exists() else final / "model.safetensors"))
+
+
+def relative_error(a: dict, b: dict) -> float:
+    """‖a − b‖ / ‖b‖ over all tensors."""
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
+    den = sum(float(b[k].double().pow(2).sum()) for k in b)
+    return (num / den) ** 0.5 if den else num**0.5
+
+
+def records(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def largest_relative_difference(ours: list[dict], theirs: list[dict], key: str) -> float:
+    return max(abs(a[key] - b[key]) / max(abs(b[key]), 1e-12) for a, b in zip(ours, theirs))
+
+
+def check(recipe_path: Path, flags: list[str], rows: int = 20) -> list[Result]:
+    results = []
+    failed = run(recipe_path, ["--no_such_flag_for_the_check=1"])
+    message = str(failed.code) if failed else ""
+    results.append(
+        Result(
+            "a bad flag: one error line",
+            message.startswith("error: ") and "\n" not in message,
+            message[:70] or "accepted without an error",
+        )
+    )
+
+    work = Path(tempfile.mkdtemp(prefix="ft-accum-check-"))
+    common = [*flags, "--optim", "sgd", "--max_grad_norm", "0", "--num_warmup_steps", "0", "--weight_decay", "0",
+              "--lr_scaling", "none", "--num_train_epochs", "1", "--max_eval_samples", "8", "--max_train_samples",
+              str(rows), "--effective_batch_size", "8", "--report_to", "none", "--checkpointing_steps", "1"]  # fmt: skip
+    try:
+        with modules_in_eval_mode():
+            outcomes = {}
+            for name, micro in (("8x1", 8), ("2x4", 2)):
+                outcomes[name] = run(recipe_path, [*common, "--per_device_train_batch_size", str(micro),
+                                                   "--output_dir", str(work / name)])  # fmt: skip
+            if any(outcomes.values()):
+                bad = next(f"{k}: {v.code}" for k, v in outcomes.items() if v)
+                return [*results, Result("the recipe runs at (8 × 1) and (2 × 4)", False, bad[:200])]
+            full, split = records(work / "8x1"), records(work / "2x4")
+            counts_equal = [(r["samples_seen"], r["tokens_seen"]) for r in full] == [
+                (r["samples_seen"], r["tokens_seen"]) for r in split
+            ]
+            results.append(
+                Result(
+                    "(8 × 1) = (2 × 4): updates and counts",
+                    counts_equal and len(full) == len(split),
+                    f"{len(full)} and {len(split)} updates, samples {[r['samples_seen'] for r in full]}"
+                    + ("" if counts_equal else f" vs {[r['samples_seen'] for r in split]} (tokens differ)"),
+                )
+            )
+            for key in ("loss", "grad_norm"):
+                error = largest_relative_difference(split, full, key)
+                results.append(
+                    Result(
+                        f"(8 × 1) = (2 × 4): {key} of every update", error <= TOLERANCE, f"relative error {error:.1e}"
+                    )
+                )
+            error = relative_error(final_weights(work / "2x4"), final_weights(work / "8x1"))
+            results.append(
+                Result(
+                    "(8 × 1) = (2 × 4): final weights",
+                    error <= TOLERANCE,
+                    f"relative error {error:.1e} (bound {TOLERANCE:.0e})",
+                )
+            )
+
+            resumed = work / "resumed"
+            (resumed / "checkpoints").mkdir(parents=True)
+            shutil.copytree(work / "2x4" / "checkpoints" / "step_000001", resumed / "checkpoints" / "step_000001")
+            outcome = run(recipe_path, [*common, "--per_device_train_batch_size", "2", "--output_dir", str(resumed),
+                                        "--resume_from_checkpoint", "latest"])  # fmt: skip
+            if outcome:
+                results.append(Result("resume from update 1: bit-identical", False, str(outcome.code)[:200]))
+            else:
+                ours, theirs = final_weights(resumed), final_weights(work / "2x4")
+                worst = max(float((ours[k].double() - theirs[k].double()).abs().max()) for k in theirs)
+                results.append(
+                    Result("resume from update 1: bit-identical", worst == 0.0, f"max |difference| {worst:.1e}")
+                )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def format_table(results: list[Result]) -> str:
+    width = max(len(r.name) for r in results)
+    lines = [f"  {'check'.ljust(width)}  result  measured"]
+    lines += [f"  {r.name.ljust(width)}  {'pass' if r.passed else 'FAIL'}    {r.measured}" for r in results]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ft-accum check",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        usage="ft-accum check recipes/my_recipe.py [--rows N] [recipe flags]",
+    )
+    parser.add_argument("recipe", type=Path)
+    parser.add_argument("--rows", type=int, default=20, help="training rows for the runs (default 20: 8 + 8 + 4)")
+    options, flags = parser.parse_known_args(argv)
+    if not options.recipe.is_file():
+        raise SystemExit(
+            f"error: {options.recipe} does not exist; pass a recipe file, e.g. recipes/text_classification.py"
+        )
+    results = check(options.recipe, flags, options.rows)
+    print(f"ft-accum check {options.recipe}")
+    print(format_table(results))
+    failed = [r for r in results if not r.passed]
+    print(
+        f"{len(results) - len(failed)} of {len(results)} passed"
+        + (": the recipe breaks the contract" if failed else "")
+    )
+    sys.stdout.flush()
+    return 1 if failed else 0

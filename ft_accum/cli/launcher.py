@@ -1,0 +1,91 @@
+"""`ft-accum launch`: `accelerate launch`, with a stop that waits for the checkpoint.
+
+`ft-accum launch [accelerate launch options] recipes/<name>.py [recipe flags]` parses its options
+with Accelerate's own parser and runs Accelerate's own `launch_command`; it adds three things that
+Accelerate 1.15's launcher lacks (docs/reliability.md has the measurements):
+
+- **It waits.** A one-process `accelerate launch` starts the recipe with `subprocess.Popen` and
+  installs no signal handler: SIGTERM or SIGINT ends the launcher at once, while the recipe is
+  still finishing its update and writing its checkpoint. Here the launcher catches the signal,
+  passes it on to the recipe (a container's PID 1 or a scheduler may signal the launcher alone)
+  and returns only when the recipe has exited. Several processes go through torchrun, whose agent
+  already forwards the signal and waits; here its grace period is raised from 30 s to
+  `GRACE_SECONDS` unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT is set.
+- **It exits as the recipe did**: 143 after a SIGTERM stop, 130 after Ctrl-C, the recipe's own
+  code after an error, without the traceback Accelerate prints for any non-zero exit.
+- **It records the command.** The exact command line, with the environment settings that change
+  what it runs (ACCELERATE_USE_CPU, ...), is handed to the recipe (`LAUNCH_COMMAND_ENV`), which
+  writes it to its output folder at the start and prints it as the resume command at a stop.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+
+from ft_accum.training.graceful_stop import LAUNCH_COMMAND_ENV, LAUNCH_ENV_SETTINGS
+
+GRACE_SECONDS = 600
+
+
+def command_line(argv: list[str], environ: dict[str, str] | os._Environ = os.environ) -> str:
+    """`ft-accum launch ...` as typed, prefixed with the launch-changing environment settings that are set."""
+    settings = [f"{name}={shlex.quote(environ[name])}" for name in LAUNCH_ENV_SETTINGS if environ.get(name)]
+    return " ".join([*settings, shlex.join(["ft-accum", "launch", *argv])])
+
+
+def exit_code(returncode: int) -> int:
+    """A child's return code as a shell reports it: 128 + N for a child killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _Forwarder:
+    """The signal handler of the one-process launch: remember the signal and pass it to the recipe.
+
+    Under `kill -TERM -- -PGID` (SLURM, Ctrl-C) the recipe gets the signal twice, from the kernel
+    and from here, a few milliseconds apart; graceful_stop.GracefulStop counts the pair as one.
+    """
+
+    def __init__(self):
+        self.signal: int | None = None
+
+    def __call__(self, signum, frame) -> None:
+        self.signal = signum
+        import psutil  # a dependency of accelerate
+
+        for child in psutil.Process().children():
+            try:
+                child.send_signal(signum)
+            except psutil.NoSuchProcess:
+                pass
+
+
+def launch(argv: list[str]) -> int:
+    """Run `accelerate launch argv`; return the exit code for the shell (see the module docstring)."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = launch_command_parser().parse_args(argv)
+    os.environ[LAUNCH_COMMAND_ENV] = command_line(argv)
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(GRACE_SECONDS))
+    forwarder = _Forwarder()
+    # torchrun's agent replaces these with its own (which forward and wait) when it starts.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forwarder)
+    try:
+        launch_command(args)
+    except subprocess.CalledProcessError as exc:  # the one-process launcher, after the recipe exited non-zero
+        return exit_code(exc.returncode)
+    except SignalException as exc:  # torchrun's agent, after its workers exited or its grace period ended
+        return 128 + int(exc.sigval)
+    except ChildFailedError as exc:  # a worker failed on its own; it printed its error
+        return exit_code(exc.get_first_failure()[1].exitcode)
+    return 128 + forwarder.signal if forwarder.signal else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return launch(sys.argv[1:] if argv is None else argv)

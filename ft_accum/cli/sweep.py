@@ -1,0 +1,492 @@
+"""`ft-accum sweep SWEEP.yaml`: a queue of runs on one GPU that survives the night.
+
+A sweep file names a recipe, an Accelerate config, base arguments, and a grid or a list of runs:
+
+    recipe: text_classification             # recipes/<name>.py, or a path to a recipe file
+    accelerate_config: accelerate_configs/single_gpu_bf16.yaml
+    output_dir: outputs/sweeps/lr_batch     # default: outputs/sweeps/<sweep file name>
+    timeout_per_run: 3h                     # optional
+    base: {num_train_epochs: 3, per_device_train_batch_size: 8}
+    grid: {learning_rate: [1e-5, 3e-5], effective_batch_size: [32, 128]}
+    # or:  runs: [{learning_rate: 1e-5}, {learning_rate: 3e-5, seed: 1}]
+
+Runs go one after another, each through the real `accelerate launch` in a process group of its
+own, with its output in `<output_dir>/<run>/log.txt`. A failed run (crash, non-finite loss,
+timeout) is recorded with its error line and the sweep goes on. A run that died of out-of-memory
+is queued again once with half the micro-batch and twice the accumulation (same effective batch,
+same LR). Run the same command again after a kill: finished runs are skipped, interrupted ones
+resume from their last checkpoint. State lives in `sweep_state.json`, replaced atomically.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import hashlib
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ft_accum.core.batch_arithmetic import BatchPlan
+from ft_accum.core.errors import ConfigError
+from ft_accum.training.arguments import read_yaml, typed_value
+from ft_accum.training.run_outputs import lock_output_dir
+
+STATE_FILE = "sweep_state.json"
+SHORT_NAMES = {
+    "learning_rate": "lr",
+    "effective_batch_size": "ebs",
+    "per_device_train_batch_size": "micro",
+    "gradient_accumulation_steps": "accum",
+    "num_train_epochs": "epochs",
+    "max_train_steps": "steps",
+    "weight_decay": "wd",
+    "lr_scaling": "scaling",
+    "model_name_or_path": "model",
+}
+_OOM_MARKERS = ("out of memory", "DefaultCPUAllocator: can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def parse_duration(text: str | int | float | None) -> float | None:
+    """'8h', '90m', '1h30m', '45s' or a number of seconds → seconds."""
+    if text is None:
+        return None
+    if isinstance(text, (int, float)):
+        return float(text)
+    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*", str(text))
+    if not parts or not any(parts.groups()):
+        raise ConfigError(f"cannot read the duration {text!r}; write it like 8h, 90m, 1h30m or 45s")
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in parts.groups())
+    return hours * 3600 + minutes * 60 + seconds
+
+
+def recipe_path(recipe: str, sweep_file: Path) -> Path:
+    """recipes/<name>.py next to the sweep file, in the working directory, or beside the package."""
+    candidates = [Path(recipe), sweep_file.parent / recipe]
+    name = recipe if recipe.endswith(".py") else f"{recipe}.py"
+    for root in (sweep_file.parent, Path.cwd(), Path(__file__).resolve().parents[2]):
+        candidates.append(root / "recipes" / name)
+    for candidate in candidates:
+        if candidate.is_file() and candidate.suffix == ".py":
+            return candidate.resolve()
+    known = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "recipes").glob("*.py"))
+    raise ConfigError(f"unknown recipe {recipe!r}; use one of {', '.join(known)}, or a path to a recipe file")
+
+
+def recipe_settings(path: Path) -> dict[str, Any]:
+    """The recipe's settings: the fields of its TaskArguments dataclass, read with `ast` (nothing is
+    imported or run), and those of the shared `arguments.TrainingArguments`."""
+    import typing
+
+    from ft_accum.training.arguments import TrainingArguments
+
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "TaskArguments":
+            task = {
+                n.target.id: _annotation_type(ast.unparse(n.annotation))
+                for n in node.body
+                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            }
+            return task | typing.get_type_hints(TrainingArguments)
+    raise ConfigError(f"{path} has no TaskArguments dataclass, so its settings cannot be checked")
+
+
+def _annotation_type(text: str):
+    """`Optional[int]` → Optional[int], from the annotation's source text (the recipe is not imported)."""
+    import typing
+
+    base = {"int": int, "float": float, "bool": bool, "str": str}
+    inner = text.removeprefix("Optional[").removesuffix("]") if text.startswith("Optional[") else text
+    kind = base.get(inner.replace(" | None", ""), str)
+    return typing.Optional[kind] if text.startswith("Optional[") or "| None" in text else kind
+
+
+def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
+    """Read and check the sweep file; return it with `runs` expanded to [{name, args}] in order."""
+    path = Path(sweep_file)
+    if not path.is_file():
+        raise ConfigError(f"sweep file {path} does not exist")
+    spec = read_yaml(path)
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{path} must hold a mapping (recipe, accelerate_config, base, grid or runs)")
+    unknown = sorted(
+        set(spec) - {"recipe", "accelerate_config", "output_dir", "base", "grid", "runs", "timeout_per_run"}
+    )
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown key(s) {', '.join(unknown)}; valid: recipe, accelerate_config, output_dir, base, grid, runs, timeout_per_run"
+        )
+    if "recipe" not in spec:
+        raise ConfigError(f"{path} names no recipe; add e.g. `recipe: text_classification`")
+    recipe = recipe_path(str(spec["recipe"]), path)
+    accelerate_config = spec.get("accelerate_config")
+    if accelerate_config:
+        config_path = Path(accelerate_config) if Path(accelerate_config).is_file() else path.parent / accelerate_config
+        if not config_path.is_file():
+            raise ConfigError(f"accelerate_config {accelerate_config} does not exist; see accelerate_configs/")
+        accelerate_config = str(config_path.resolve())
+    base = spec.get("base") or {}
+    if not isinstance(base, dict):
+        raise ConfigError(f"{path}: base must be a mapping of setting: value, got {type(base).__name__}")
+    if "grid" in spec and "runs" in spec:
+        raise ConfigError(f"{path} has both grid and runs; give one")
+    if "grid" in spec:
+        grid = spec["grid"] or {}
+        if not isinstance(grid, dict):
+            raise ConfigError(f"{path}: grid must be a mapping of setting: [values], e.g. learning_rate: [1e-5, 3e-5]")
+        if not grid or any(not isinstance(v, list) or not v for v in grid.values()):
+            raise ConfigError(
+                f"{path}: the grid is empty; give each setting a non-empty list, e.g. learning_rate: [1e-5, 3e-5]"
+            )
+        keys = list(grid)
+        variants = [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
+    elif "runs" in spec:
+        variants = spec["runs"] or []
+        if not variants or not all(isinstance(v, dict) for v in variants):
+            raise ConfigError(f"{path}: runs must be a non-empty list of mappings of setting: value")
+    else:
+        raise ConfigError(f"{path} has neither grid nor runs; add e.g. `grid: {{learning_rate: [1e-5, 3e-5]}}`")
+    valid = recipe_settings(recipe)
+    for variant in [base, *variants]:
+        bad = sorted(set(variant) - set(valid))
+        if bad:
+            raise ConfigError(
+                f"{path}: {', '.join(bad)} is not a setting of {recipe.name}; valid: {', '.join(sorted(valid))}"
+            )
+        for key, value in variant.items():  # a wrong type fails here, not as a failed run hours later
+            typed_value(value, valid[key], f"{path}: {key}")
+    if any("output_dir" in v or "resume_from_checkpoint" in v for v in [base, *variants]):
+        raise ConfigError(f"{path}: the sweep sets output_dir and resume_from_checkpoint itself; remove them")
+    varied = sorted({k for v in variants for k in v})
+    runs, names = [], set()
+    for variant in variants:
+        name = run_name(variant, varied)
+        if name in names:
+            raise ConfigError(f"{path}: two runs would both be named {name}; make their settings differ")
+        names.add(name)
+        runs.append({"name": name, "args": {**base, **variant}, "varied": {k: variant.get(k) for k in varied}})
+    return {
+        "path": str(path.resolve()),
+        "recipe": str(recipe),
+        "accelerate_config": accelerate_config,
+        "runs": runs,
+        "varied": varied,
+        "output_dir": str(spec.get("output_dir") or Path("outputs") / "sweeps" / path.stem),
+        "timeout_per_run": parse_duration(spec.get("timeout_per_run")),
+    }
+
+
+def run_name(variant: dict[str, Any], varied: list[str]) -> str:
+    """`lr=3e-05_ebs=32`: readable, and stable across invocations (made from the settings, not the order)."""
+    parts = [f"{SHORT_NAMES.get(k, k)}={variant[k]}" for k in varied if k in variant]
+    name = "_".join(parts) or "run"
+    return re.sub(r"[^A-Za-z0-9=._+-]", "-", name)[:120]
+
+
+def command_for(sweep: dict, run: dict, run_dir: Path) -> list[str]:
+    """The real `accelerate launch` command line: a list, never a shell string."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch"]
+    if sweep["accelerate_config"]:
+        launch += ["--config_file", sweep["accelerate_config"]]
+    args = [f"--{k}={v}" for k, v in run["args"].items()]
+    args.append(f"--output_dir={run_dir}")
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*")):
+        args.append("--resume_from_checkpoint=latest")
+    return [*launch, sweep["recipe"], *args]
+
+
+def write_state(output_dir: Path, state: dict) -> None:
+    """Write to a temporary file and rename it over the old one: the state is never half-written."""
+    tmp = output_dir / f".{STATE_FILE}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, output_dir / STATE_FILE)
+
+
+def reconcile_state(sweep: dict, output_dir: Path) -> dict:
+    """Load the saved state and match it to the sweep file: add new runs, refuse changed ones."""
+    path = output_dir / STATE_FILE
+    state = json.loads(path.read_text()) if path.exists() else {"runs": {}}
+    changed = [
+        r["name"]
+        for r in sweep["runs"]
+        if r["name"] in state["runs"] and state["runs"][r["name"]]["args"] != _jsonable(r["args"])
+    ]
+    if changed:
+        raise ConfigError(
+            f"the sweep file changed the settings of run(s) {', '.join(changed)} since they were queued in {output_dir}; "
+            "restore the file, or give the changed sweep a new output_dir (results would otherwise mix two settings)"
+        )
+    added = [r["name"] for r in sweep["runs"] if r["name"] not in state["runs"]]
+    if state["runs"] and added:
+        print(f"sweep file edited: {len(added)} new run(s) added: {', '.join(added)}", flush=True)
+    for run in sweep["runs"]:
+        state["runs"].setdefault(
+            run["name"],
+            {
+                "args": _jsonable(run["args"]),
+                "varied": _jsonable(run["varied"]),
+                "status": "pending",
+                "attempts": 0,
+                "replanned": False,
+            },
+        )
+    state["sweep_file_sha256"] = hashlib.sha256(Path(sweep["path"]).read_bytes()).hexdigest()
+    return state
+
+
+def _jsonable(value):
+    return json.loads(json.dumps(value))
+
+
+def replan_for_memory(args: dict[str, Any], recipe_defaults_micro: int) -> dict[str, Any]:
+    """Half the micro-batch, twice the accumulation: the effective batch (and so the LR) stay the same."""
+    micro = int(args.get("per_device_train_batch_size", recipe_defaults_micro))
+    accumulation = int(args.get("gradient_accumulation_steps", 1))
+    smaller = BatchPlan(micro, accumulation, 1).shrunk()
+    new_micro, new_accumulation = smaller.micro, smaller.accumulation
+    replanned = {**args, "per_device_train_batch_size": new_micro}
+    if "gradient_accumulation_steps" in args or "effective_batch_size" not in args:
+        replanned["gradient_accumulation_steps"] = new_accumulation
+    return replanned
+
+
+def _default_micro(recipe: Path) -> int:
+    match = re.search(r"per_device_train_batch_size=(\d+)", recipe.read_text())
+    return int(match.group(1)) if match else 8
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and all its descendants, read from /proc (torchrun workers live in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def kill_run(process: subprocess.Popen) -> None:
+    """Kill the run's whole process tree by id: torchrun puts each worker in a session of its own,
+    so its process group alone would leave workers holding the GPU."""
+    pids = process_tree(process.pid) if Path("/proc").is_dir() else [process.pid]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
+def error_line(log: Path) -> str:
+    """The recipe's `error: ...` line, else the last line that names an exception, else the log's last line."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    for line in reversed(lines):
+        if line.startswith("error: "):
+            return line
+    for line in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception)\b", line):
+            return line
+    return lines[-1] if lines else "(empty log)"
+
+
+def run_sweep(sweep_file: str, dry_run: bool = False, time_budget: str | None = None) -> dict:
+    """Run (or resume) every run of the sweep; return the final state."""
+    sweep = load_sweep(sweep_file)
+    budget = parse_duration(time_budget)
+    output_dir = Path(sweep["output_dir"])
+    if dry_run:
+        print(f"{len(sweep['runs'])} run(s) of {Path(sweep['recipe']).name} into {output_dir}:")
+        state_path = output_dir / STATE_FILE
+        saved = json.loads(state_path.read_text())["runs"] if state_path.exists() else {}
+        for i, run in enumerate(sweep["runs"], 1):
+            status = saved.get(run["name"], {}).get("status", "pending")
+            print(f"  {i:>2}. {run['name']:<40} {status:<9} {' '.join(f'--{k}={v}' for k, v in run['args'].items())}")
+        return {"runs": saved}
+    output_dir.mkdir(parents=True, exist_ok=True)
+    # One sweep per folder: a second would queue the same runs and rewrite sweep_state.json under the
+    # first. Each run's own folder is locked by the recipe that runs in it.
+    lock_output_dir(output_dir)
+    state = reconcile_state(sweep, output_dir)
+    write_state(output_dir, state)
+    started, default_micro = time.monotonic(), _default_micro(Path(sweep["recipe"]))
+    queue = [r for r in sweep["runs"] if state["runs"][r["name"]]["status"] not in ("ok", "replanned")]
+    for position, run in enumerate(queue, 1):
+        record = state["runs"][run["name"]]
+        durations = [
+            r["wall_seconds"]
+            for r in state["runs"].values()
+            if r["status"] in ("ok", "replanned") and r.get("wall_seconds")
+        ]
+        if budget and durations and time.monotonic() - started + sum(durations) / len(durations) > budget:
+            record["status"] = "skipped"
+            record["error"] = "time budget: not enough left for a run of the measured length"
+            write_state(output_dir, state)
+            continue
+        args = record.get("replanned_args") or run["args"]
+        while True:
+            outcome = _run_once(sweep, run["name"], args, output_dir, position, len(queue), state)
+            if outcome == "out_of_memory" and not record["replanned"]:
+                args = replan_for_memory(args, default_micro)
+                record.update(replanned=True, replanned_args=_jsonable(args), status="pending")
+                print(
+                    f"  {run['name']}: out of memory; queued again with per_device_train_batch_size "
+                    f"{args['per_device_train_batch_size']} (same effective batch)",
+                    flush=True,
+                )
+                write_state(output_dir, state)
+                continue
+            break
+        write_results(sweep, output_dir, state)
+    write_results(sweep, output_dir, state)
+    counts = {
+        s: sum(r["status"] == s for r in state["runs"].values()) for s in ("ok", "replanned", "failed", "skipped")
+    }
+    print(
+        f"sweep done: {counts['ok']} ok, {counts['replanned']} ok after a replan, {counts['failed']} failed, "
+        f"{counts['skipped']} skipped; results in {output_dir / 'results.md'}",
+        flush=True,
+    )
+    return state
+
+
+def _run_once(sweep: dict, name: str, args: dict, output_dir: Path, position: int, total: int, state: dict) -> str:
+    record = state["runs"][name]
+    run_dir = output_dir / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = command_for(sweep, {"args": args}, run_dir)
+    record.update(status="running", attempts=record["attempts"] + 1, command=command, log=str(run_dir / "log.txt"))
+    write_state(output_dir, state)
+    began = time.monotonic()
+    with open(run_dir / "log.txt", "a") as log:
+        log.write(f"\n$ {' '.join(command)}\n")
+        log.flush()
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        last_update, last_print, interactive = -1, 0.0, sys.stdout.isatty()
+        metrics = run_dir / "metrics.jsonl"
+        first_update = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        try:
+            while process.poll() is None:
+                if sweep["timeout_per_run"] and time.monotonic() - began > sweep["timeout_per_run"]:
+                    kill_run(process)
+                    break
+                update, line = _summary(state, name, run_dir, position, total, began, first_update)
+                # One live line on a terminal; in a log file, a line per new update at most every 30 s.
+                if interactive:
+                    print("\r" + line.ljust(110), end="", flush=True)
+                elif update != last_update and time.monotonic() - last_print >= 30:
+                    print(line, flush=True)
+                    last_update, last_print = update, time.monotonic()
+                time.sleep(1)
+            if interactive:
+                print(flush=True)
+        except BaseException:
+            kill_run(process)  # Ctrl-C or a kill of the sweep: no orphan keeps the GPU
+            record["status"] = "interrupted"
+            write_state(output_dir, state)
+            raise
+    wall = time.monotonic() - began
+    timed_out = process.returncode is None or (sweep["timeout_per_run"] and wall > sweep["timeout_per_run"])
+    finished = (run_dir / "all_results.json").exists() and process.returncode == 0
+    record["wall_seconds"] = record.get("wall_seconds", 0.0) + wall
+    if finished:
+        record["status"] = "replanned" if record["replanned"] else "ok"
+        record.pop("error", None)
+        outcome = "ok"
+    else:
+        tail = (run_dir / "log.txt").read_text(errors="replace")[-4000:]
+        record["status"] = "failed"
+        record["error"] = (
+            f"timed out after {sweep['timeout_per_run']:.0f} s" if timed_out else error_line(run_dir / "log.txt")
+        )
+        record["log_tail"] = tail.splitlines()[-15:]
+        outcome = "out_of_memory" if any(m in tail for m in _OOM_MARKERS) else "failed"
+        print(f"  {name}: {record['status']}: {record['error']}", flush=True)
+    write_state(output_dir, state)
+    return outcome
+
+
+def _summary(
+    state: dict, name: str, run_dir: Path, position: int, total: int, began: float, first_update: int
+) -> tuple[int, str]:
+    """(updates done, 'run i of N: update u of U, ETA …, done/failed/left'); U is read from the recipe's banner."""
+    done = sum(r["status"] in ("ok", "replanned") for r in state["runs"].values())
+    failed = sum(r["status"] == "failed" for r in state["runs"].values())
+    metrics = run_dir / "metrics.jsonl"
+    update = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    banner = (
+        re.findall(r"(\d+) optimizer updates", (run_dir / "log.txt").read_text(errors="replace"))
+        if (run_dir / "log.txt").exists()
+        else []
+    )
+    planned = int(banner[-1]) if banner else None
+    elapsed = time.monotonic() - began
+    progress = f"update {update}" + (f" of {planned}" if planned else "")
+    if planned and update > first_update:  # the rate of this attempt (a resumed run starts past 0)
+        progress += f", ETA {(planned - update) * elapsed / (update - first_update) / 60:.1f} min"
+    return (
+        update,
+        f"[run {position}/{total}] {name}: {progress} | done {done}, failed {failed}, left {total - position}",
+    )
+
+
+def write_results(sweep: dict, output_dir: Path, state: dict) -> None:
+    """results.csv and results.md: one row per run, varied settings, final eval metrics, speed, memory, status."""
+    rows = []
+    for run in sweep["runs"]:
+        record = state["runs"][run["name"]]
+        results_path = output_dir / run["name"] / "all_results.json"
+        results = (
+            json.loads(results_path.read_text())
+            if results_path.exists() and record["status"] in ("ok", "replanned")
+            else {}
+        )
+        row = {"run": run["name"], **{k: v for k, v in record["varied"].items()}}
+        row.update({k: v for k, v in results.items() if k.startswith("eval_")})
+        row.update(
+            {
+                "updates": results.get("num_update_steps"),
+                "effective_batch_size": results.get("effective_batch_size"),
+                "per_device_train_batch_size": results.get("per_device_train_batch_size"),
+                "wall_seconds": round(record.get("wall_seconds", 0.0), 1),
+                "samples_per_second": results.get("train_samples_per_second"),
+                "peak_memory_gb": results.get("peak_memory_gb"),
+                "status": record["status"],
+                "error": record.get("error", ""),
+            }
+        )
+        rows.append(row)
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    tmp = output_dir / ".results.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, output_dir / "results.csv")
+
+    def cell(value):
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return "" if value is None else str(value).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    (output_dir / "results.md").write_text(f"# Sweep {Path(sweep['path']).name}\n\n" + "\n".join(lines) + "\n")

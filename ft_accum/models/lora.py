@@ -1,0 +1,56 @@
+"""LoRA through peft, an optional dependency (`pip install -e ".[lm]"`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ft_accum.core.errors import ConfigError
+
+
+def import_peft():
+    """The peft module, or a ConfigError that names the extra to install."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError(
+            '--use_lora needs peft, which is not installed; pip install -e ".[lm]" (or pip install peft)'
+        ) from None
+    return peft
+
+
+def parse_target_modules(value: str) -> str | list[str]:
+    """`q_proj,v_proj` → ["q_proj", "v_proj"]; `all-linear` is passed through to peft as is."""
+    return value if value == "all-linear" else [m.strip() for m in value.split(",") if m.strip()]
+
+
+def apply_lora(model, task_args, gradient_checkpointing: bool, model_dtype: str = "float32"):
+    """Wrap a causal LM in a LoRA adapter from the recipe's --lora_* flags (peft's `get_peft_model`).
+
+    The adapters are the trained weights, so they take --model_dtype: peft creates them in fp32,
+    and `bfloat16` casts them (half the adapter, gradient and AdamW bytes; updates below 1/256 of a
+    weight are lost, as for any bf16 training).
+    """
+    peft = import_peft()
+    lora_config = peft.LoraConfig(
+        task_type="CAUSAL_LM",
+        r=task_args.lora_r,
+        lora_alpha=task_args.lora_alpha,
+        lora_dropout=task_args.lora_dropout,
+        target_modules=parse_target_modules(task_args.lora_target_modules),
+    )
+    model = peft.get_peft_model(model, lora_config)
+    if model_dtype == "bfloat16":
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.data = parameter.data.to(torch.bfloat16)
+    if gradient_checkpointing:
+        # The frozen embeddings would give checkpointed blocks inputs without grad; this keeps the graph alive.
+        model.enable_input_require_grads()
+    return model
+
+
+def describe_trainable(model, task_args) -> str:
+    """The banner's line: trainable parameters of all, and the LoRA rank if any."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lora_rank = f" (LoRA r={task_args.lora_r})" if task_args.use_lora else ""
+    return f"{trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters{lora_rank}"

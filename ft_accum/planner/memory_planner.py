@@ -1,0 +1,834 @@
+"""Predict a training step's peak GPU memory without a GPU or weights, and plan the batch split.
+
+Method: build the model from its config under `FakeTensorMode` (tensors with shapes and dtypes but
+no storage, so an 8B model costs no RAM), run one real forward, backward and optimizer step, and
+count the bytes of every storage alive at each moment with a small `TorchDispatchMode`
+(`LiveBytes`). `torch.distributed._tools.mem_tracker.MemTracker` gives the same peak (checked in
+the tests) with a finer breakdown, but takes ~25 s on an 8B model where this takes ~3 s. The
+breakdown here: parameters and optimizer state (registered before the step, so counted exactly)
+and everything else alive at the peak (activations, gradients, temporaries).
+
+`plan` traces the candidate micro-batches that are powers of two, plus the smallest and largest,
+and interpolates linearly between them (forward+backward memory is near linear in the
+micro-batch; never extrapolated, since the moment of the peak can move outside the traced range).
+
+Limits, not modelled:
+- the CUDA context and cuBLAS/cuDNN workspaces (CUDA_OVERHEAD_GIB) and the caching allocator's
+  fragmentation (FRAGMENTATION): both are a documented margin in `fits`;
+- kernels that differ between CPU and CUDA beyond attention (the trace runs CPU kernels on fake
+  tensors; attention runs a stand-in with CUDA's fused-SDPA memory profile, `fused_attention`;
+  mixed precision uses CPU autocast);
+- 8-bit AdamW is modelled by its state size (2 bytes per parameter plus block scales), since
+  bitsandbytes does not run on fake tensors.
+
+`torch._subclasses.fake_tensor` and `torch.utils._python_dispatch` are private PyTorch APIs;
+`torch_internals()` is the only place that imports them, and it says so if they move.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+
+from ft_accum.core.errors import ConfigError
+from ft_accum.models.loading import check_context_length, enable_gradient_checkpointing
+
+GIB = 2**30
+CUDA_OVERHEAD_GIB = 0.6  # CUDA context + cuBLAS workspace, measured as 0.4–0.6 GiB on recent drivers
+FRAGMENTATION = 1.10  # the caching allocator reserves ~5–15% more than it hands out under training churn
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+OPTIMIZERS = ("adamw", "sgd", "adamw_8bit", "adamw_4bit")
+# Bytes per parameter of the low-bit AdamW states (two moments each): 8-bit, block 256 with an fp32
+# scale per block (bitsandbytes); 4-bit, block 128 with an fp32 scale per block (torchao).
+LOW_BIT_STATE_BYTES = {"adamw_8bit": 2 * (1 + 4 / 256), "adamw_4bit": 2 * (0.5 + 4 / 128)}
+# bitsandbytes keeps 32-bit states (8 bytes per parameter) for tensors under 4,096 elements.
+LOW_BIT_MIN_ELEMENTS = 4096
+# NF4 with double quantization (QLoRA, Dettmers et al. 2023, §3): 4 bits per weight, an 8-bit
+# absmax per 64 weights, and an fp32 constant per 256 of those absmaxes.
+NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
+# The speed model's two hardware assumptions, used only to price activation offloading's copies against
+# compute (`relative_throughput`); `ft-accum plan --gpu_tflops/--pcie_gbps` override them.
+ASSUMED_GPU_TFLOPS = 12.0  # sustained bf16 training throughput of a 12 GB consumer card, at full utilisation
+ASSUMED_PCIE_GBPS = 20.0  # pinned host↔GPU copies over PCIe 4.0 x16 (31.5 GB/s in theory)
+TASKS = ("causal_lm", "text_classification", "token_classification", "seq2seq")
+SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
+CATEGORIES = ("parameters", "optimizer_state", "activations_gradients_temporaries")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes at the step's peak, by category; `peak` is their sum."""
+
+    parameters: float  # and buffers
+    optimizer_state: float
+    activations_gradients_temporaries: float
+    host_offloaded: float = 0.0  # --offload_activations: saved activations in host memory (not in `peak`)
+
+    @property
+    def peak(self) -> float:
+        return sum(getattr(self, c) for c in CATEGORIES)
+
+    def as_gib(self) -> dict[str, float]:
+        return {**{k: v / GIB for k, v in asdict(self).items()}, "peak": self.peak / GIB}
+
+
+def torch_internals():
+    """(FakeTensorMode, TorchDispatchMode): private torch APIs, imported here only, with a clear error if they move."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError as exc:  # pragma: no cover - depends on the torch version
+        raise ConfigError(
+            f"this torch ({torch.__version__}) moved the private APIs the memory planner needs ({exc}); "
+            "use torch 2.5–2.13, or report it at ft-accum"
+        ) from exc
+    return FakeTensorMode, TorchDispatchMode
+
+
+def _live_bytes_mode():
+    """A dispatch mode that counts the bytes of every live storage and remembers the peak."""
+    import weakref
+
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    _, TorchDispatchMode = torch_internals()
+
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = self.static = self.static_at_peak = 0
+            self._seen = WeakIdKeyDictionary()
+
+        def _freed(self, nbytes: int, static: bool) -> None:
+            self.live -= nbytes
+            self.static -= nbytes if static else 0
+
+        def add(self, tensor: torch.Tensor, static: bool = False) -> None:
+            storage = tensor.untyped_storage()
+            if storage in self._seen:
+                return
+            nbytes = storage.nbytes()
+            self._seen[storage] = nbytes
+            self.live += nbytes
+            self.static += nbytes if static else 0
+            weakref.finalize(storage, self._freed, nbytes, static)
+            if self.live > self.peak:
+                self.peak, self.static_at_peak = self.live, self.static
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for value in tree_flatten(out)[0]:
+                if isinstance(value, torch.Tensor):
+                    self.add(value)
+            return out
+
+    return LiveBytes()
+
+
+def shipped_config_names() -> list[str]:
+    return sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.json"))
+
+
+def load_model_config(model: str | Any):
+    """A `PretrainedConfig` from: a config object, a shipped name, a config.json, a local folder, or a hub name (online)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return model
+    path = Path(model)
+    if (SHIPPED_CONFIGS / f"{model}.json").is_file():
+        path = SHIPPED_CONFIGS / f"{model}.json"
+    if path.is_file():
+        try:
+            values = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid JSON ({exc}); pass a transformers config.json") from None
+        if not isinstance(values, dict) or "model_type" not in values:
+            raise ConfigError(f"{path} has no model_type; it must be a transformers config.json")
+        try:
+            return AutoConfig.for_model(**values)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(
+                f"{path}: transformers does not know model_type {values['model_type']!r} ({str(exc).splitlines()[0][:120]}); "
+                "check the name, or upgrade transformers"
+            ) from None
+    try:
+        return AutoConfig.from_pretrained(str(model))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"could not load the config of {model!r} ({str(exc).strip().splitlines()[0][:160]}); offline, pass --config "
+            f"path/to/config.json or a folder holding one, or a shipped name: {', '.join(shipped_config_names())}"
+        ) from exc
+
+
+def build_model(config, task: str, dtype: torch.dtype = torch.float32):
+    """A randomly initialised model of `task` ("causal_lm", "seq2seq", "classification") from a config: what is traced."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+
+    auto = {
+        "causal_lm": AutoModelForCausalLM,
+        "text_classification": AutoModelForSequenceClassification,
+        "token_classification": AutoModelForTokenClassification,
+        "seq2seq": AutoModelForSeq2SeqLM,
+    }[task]
+    try:
+        # Built in its final dtype: Module.to() cannot convert fake parameters (torch swaps them).
+        return auto.from_config(config, dtype=dtype)
+    except ValueError as exc:
+        raise ConfigError(
+            f"a {config.model_type} model has no {task} head; pick another --task (one of {', '.join(TASKS)})"
+        ) from exc
+
+
+def example_batch(config, task: str, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """A random micro-batch of `micro_batch_size` × `seq_len` tokens with the labels `task` trains on."""
+    ids = torch.randint(0, config.vocab_size, (micro_batch_size, seq_len))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if task == "causal_lm":  # packed blocks, as the recipe passes them with --packing: no mask, so SDPA is causal
+        batch = {"input_ids": ids, "labels": ids}
+    elif task == "text_classification":
+        batch["labels"] = torch.zeros(micro_batch_size, dtype=torch.long)
+    elif task == "token_classification":
+        batch["labels"] = torch.zeros_like(ids)
+    else:
+        batch["labels"] = ids  # the decoder sees as many tokens as the encoder
+    return batch
+
+
+def build_optimizer(name: str, parameters: list[torch.nn.Parameter]):
+    """The optimizer the recipes build (run_setup.build_optimizer): fused AdamW, or SGD with momentum.
+
+    Fused matters: foreach AdamW allocates parameter-sized temporaries in its step, fused does not."""
+    if name == "adamw":
+        return torch.optim.AdamW(parameters, lr=1e-5, fused=True)
+    if name == "sgd":
+        return torch.optim.SGD(parameters, lr=1e-3, momentum=0.9)
+    return torch.optim.SGD(parameters, lr=1e-3)  # adamw_8bit: state added analytically
+
+
+ATTENTION = ("fused", "math")
+
+
+def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Stands in for CUDA's scaled_dot_product_attention in the trace, with its memory profile.
+
+    CUDA's flash and memory-efficient kernels save q, k, v, the output and an O(T) log-sum-exp per
+    head (FlashAttention-2, Dao 2023, §3.1; torch's SDPA docs), never the T × T scores; with
+    dropout they save the RNG state, not a mask. PyTorch's CPU flash kernel saves exactly those
+    tensors, so the trace runs it, without dropout. Grouped-query K and V stay at their own head
+    count (flash reads them in place): the query heads are folded into the length, which keeps
+    every saved tensor's size (this is about bytes, and fake tensors have no values).
+    """
+    batch, heads, length, dim = query.shape
+    if key.shape[1] != heads:
+        query = query.reshape(batch, key.shape[1], heads // key.shape[1] * length, dim)
+    learned_bias = attn_mask is not None and attn_mask.requires_grad  # T5's relative position bias
+    output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=attn_mask.detach() if learned_bias else attn_mask, scale=scale
+    )
+    output = output.reshape(batch, heads, length, dim)
+    if learned_bias:
+        # CUDA's memory-efficient kernel returns the bias's gradient, the bias's size, in backward;
+        # the CPU flash kernel has none, so a zero term routes a gradient of that size to the bias.
+        output = output + attn_mask.sum() * 0
+    return output
+
+
+LOSS_PATHS = ("chunked", "logits", "model")
+
+
+def training_step(model, batch: dict, task: str, loss: str = "chunked") -> torch.Tensor:
+    """One micro-batch's loss, as the step that is traced computes it.
+
+    "chunked" and "logits" are the language-model recipes' `OutputLoss` (the default, and
+    --no_chunked_loss); "model" is the model's own loss, `model(**batch).loss`, which is what a plain
+    PyTorch loop and the Transformers Trainer backpropagate, and what the classifier recipes use.
+    """
+    if task not in ("causal_lm", "seq2seq") or loss == "model":
+        return model(**batch).loss
+    from ft_accum.models.output_loss import OutputLoss
+
+    # check_logits=False: fake tensors have no values to check against the logits.
+    loss_fn = OutputLoss(model, shift=task == "causal_lm", enabled=loss == "chunked", check_logits=False)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if task == "seq2seq":
+        inputs["decoder_input_ids"] = batch["labels"]
+    loss_sum, _ = loss_fn(model, batch["labels"], **inputs)
+    return loss_sum / batch["labels"].numel()
+
+
+def low_bit_state_bytes(numel: int, optimizer: str) -> float:
+    """Bytes of a low-bit AdamW's two moments for one tensor (0 for the optimizers the trace runs)."""
+    if optimizer not in LOW_BIT_STATE_BYTES:
+        return 0.0
+    return numel * (LOW_BIT_STATE_BYTES[optimizer] if numel >= LOW_BIT_MIN_ELEMENTS else 8.0)
+
+
+def quantized_weights(model) -> list[torch.Tensor]:
+    """The weights a BitsAndBytesConfig(load_in_4bit=True) quantizes: every frozen nn.Linear's (and
+    GPT-2's Conv1D's, which transformers' bitsandbytes integration converts too), except the output layer's."""
+    from transformers.pytorch_utils import Conv1D
+
+    output = model.get_output_embeddings()
+    # Exact types: peft's LoRA wrappers are also called Linear, and would count their base layer twice.
+    return [
+        m.weight
+        for m in model.modules()
+        if type(m) in (torch.nn.Linear, Conv1D) and m is not output and not m.weight.requires_grad
+    ]
+
+
+def offload_hooks(tracker):
+    """saved_tensors_hooks that move every saved activation the recipes offload (`low_memory.offloads`) to
+    host memory: its GPU bytes are freed when the forward drops it, counted in `tracker.host_peak`,
+    and allocated again when the backward unpacks it."""
+    tracker.host = tracker.host_peak = 0
+
+    from ft_accum.models.low_memory import offloads
+
+    def pack(tensor):
+        if not offloads(tensor):  # the recipes' own rule (low_memory.offload_activations)
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        tracker.host += nbytes
+        tracker.host_peak = max(tracker.host_peak, tracker.host)
+        return (tensor.shape, tensor.stride(), tensor.dtype, nbytes)
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        shape, stride, dtype, nbytes = packed
+        tracker.host -= nbytes
+        return torch.empty_strided(shape, stride, dtype=dtype)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def trace_step(config, **settings) -> MemoryEstimate:
+    """The peak of one steady-state training step: the larger of its two phases (see trace_phases)."""
+    return max(trace_phases(config, **settings), key=lambda e: e.peak)
+
+
+def trace_phases(config, *, micro_batch_size: int, **settings) -> tuple[MemoryEstimate, MemoryEstimate]:
+    """Trace one steady-state training step; return the peaks of (forward+backward, optimizer step)."""
+    return trace_micro_batches(config, [micro_batch_size], **settings)[micro_batch_size]
+
+
+def trace_micro_batches(
+    config,
+    micro_batch_sizes: list[int],
+    *,
+    task: str,
+    seq_len: int,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    lora_r: int | None = None,
+    lora_target_modules: str = "all-linear",
+    gradient_checkpointing: bool = False,
+    loss_path: str = "chunked",
+    attention: str = "fused",
+    load_in_4bit: bool = False,
+    offload_activations: bool = False,
+    real_tensors: bool = False,
+    accounting: dict | None = None,
+) -> dict[int, tuple[MemoryEstimate, MemoryEstimate]]:
+    """One model, one steady-state step per micro-batch size: {m: (forward+backward peak, optimizer-step peak)}.
+
+    The optimizer state is allocated before tracing (PyTorch allocates it lazily at the first
+    step). The step is the recipes' own (`training_step`; `loss_path` picks its loss). `attention="fused"` traces CUDA's fused
+    SDPA kernels (`fused_attention`); "math" keeps the T × T scores, as SDPA's math path and eager
+    attention do. `real_tensors=True` runs the same step on real CPU tensors (small models only), to
+    validate the fake trace. `accounting`, if given, receives the live bytes right after backward
+    and the parameter, gradient and optimizer-state bytes, for the accounting test.
+
+    `load_in_4bit` (QLoRA, with `lora_r`): the frozen linear layers' weights are counted as NF4
+    (`NF4_BYTES_PER_PARAMETER`), the embeddings and the output layer stay bf16, and the largest
+    weight dequantized to bf16 (what a 4-bit matmul materialises) is added to the temporaries.
+    `offload_activations`: every saved activation (not the weights) goes to host memory in the
+    forward and comes back in the backward (`saved_tensors_hooks`, as torchtune's activation
+    offloading and `torch.autograd.graph.save_on_cpu` do); its bytes are reported as
+    `host_offloaded`, and the GPU peak counts them only while backward uses them.
+    """
+    FakeTensorMode, _ = torch_internals()
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if loss_path not in LOSS_PATHS:
+        raise ConfigError(f"--loss_path must be one of {', '.join(LOSS_PATHS)}, got {loss_path!r}")
+    if attention not in ATTENTION:
+        raise ConfigError(f"--attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    if load_in_4bit and not lora_r:
+        raise ConfigError(
+            "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --lora_r 16"
+        )
+    torch.manual_seed(0)
+    config = copy.deepcopy(config)  # the model shares it, and checkpointing sets use_cache on it below
+    with contextlib.nullcontext() if real_tensors else FakeTensorMode():
+        model = build_model(config, task, torch.bfloat16 if precision == "bf16" or load_in_4bit else torch.float32)
+        if gradient_checkpointing:
+            if hasattr(model.config, "use_cache"):
+                model.config.use_cache = False
+            enable_gradient_checkpointing(model)
+        if lora_r:
+            from ft_accum.models.lora import import_peft, parse_target_modules
+
+            peft = import_peft()
+            # peft moves each new adapter to its base layer's device and dtype with Module.to(), which
+            # fake parameters refuse (torch swaps them, and the fake mode holds weakrefs to them).
+            # The adapters are created on that same (fake) device, in fp32 as peft keeps them.
+            with mock.patch.object(torch.nn.Module, "to", lambda module, *args, **kwargs: module):
+                model = peft.get_peft_model(
+                    model,
+                    peft.LoraConfig(
+                        r=lora_r, lora_alpha=2 * lora_r, target_modules=parse_target_modules(lora_target_modules)
+                    ),
+                )
+            if gradient_checkpointing:
+                model.enable_input_require_grads()
+        if load_in_4bit and precision not in ("bf16", "bf16-mixed"):
+            # low_memory.prepare_4bit_model: peft's fp32 cast of the frozen unquantized weights stays
+            # (fp16, fp32); under bf16 everything unquantized is bf16, as the model is built here.
+            quantized_ids = {id(w) for w in quantized_weights(model)}
+            for parameter in model.parameters():
+                if not parameter.requires_grad and id(parameter) not in quantized_ids:
+                    parameter.data = parameter.data.float()
+        model.train()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = build_optimizer(optimizer, trainable)
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
+            if precision.endswith("-mixed")
+            else contextlib.nullcontext()
+        )
+        # Low-bit AdamW states are counted, not traced: their kernels do not run on fake tensors.
+        extra_state = sum(low_bit_state_bytes(p.numel(), optimizer) for p in trainable)
+        quantized = quantized_weights(model) if load_in_4bit else []
+        quantization_saving = sum(w.numel() * (w.element_size() - NF4_BYTES_PER_PARAMETER) for w in quantized)
+        dequantized = max((w.numel() * 2 for w in quantized), default=0)
+        results = {}
+        for micro_batch_size in micro_batch_sizes:
+            batch = example_batch(config, task, micro_batch_size, seq_len)
+            tracker = _live_bytes_mode()
+            for tensor in [*model.parameters(), *model.buffers()]:
+                tracker.add(tensor, static=True)
+            parameter_bytes = tracker.static
+            for value in (v for state in opt.state.values() for v in state.values()):
+                if isinstance(value, torch.Tensor):
+                    tracker.add(value, static=True)
+            state_bytes = tracker.static - parameter_bytes
+            kernels = (
+                mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", fused_attention)
+                if attention == "fused"
+                else contextlib.nullcontext()
+            )
+            offload = offload_hooks(tracker) if offload_activations else contextlib.nullcontext()
+            with tracker, kernels:  # backward too: checkpointing recomputes attention there
+                with autocast, offload:
+                    loss = training_step(model, batch, task, loss_path)
+                loss.float().backward()
+                del loss
+                if accounting is not None:
+                    accounting.update(
+                        live=tracker.live,
+                        parameters=parameter_bytes,
+                        optimizer_state=state_bytes,
+                        gradients=sum(p.grad.untyped_storage().nbytes() for p in trainable if p.grad is not None),
+                    )
+                backward_peak, backward_static = tracker.peak, tracker.static_at_peak
+                tracker.peak = 0  # the next allocation starts the optimizer step's own peak
+                opt.step()
+                step_peak, step_static = (
+                    (tracker.peak, tracker.static_at_peak) if tracker.peak else (tracker.live, tracker.static)
+                )
+                opt.zero_grad(set_to_none=True)
+            results[micro_batch_size] = tuple(
+                MemoryEstimate(
+                    parameters=parameter_bytes - quantization_saving,
+                    optimizer_state=static - parameter_bytes + extra_state,
+                    activations_gradients_temporaries=peak - static + (dequantized if phase == 0 else 0),
+                    host_offloaded=getattr(tracker, "host_peak", 0.0),
+                )
+                for phase, (peak, static) in enumerate(((backward_peak, backward_static), (step_peak, step_static)))
+            )
+    return results
+
+
+def estimate_peak_memory(
+    model: str | Any,
+    *,
+    task: str = "causal_lm",
+    micro_batch_size: int = 1,
+    seq_len: int = 512,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    lora_r: int | None = None,
+    lora_target_modules: str = "all-linear",
+    gradient_checkpointing: bool = False,
+) -> MemoryEstimate:
+    """The predicted peak of one training step, by category (see the module docstring for the method)."""
+    return trace_step(
+        load_model_config(model),
+        task=task,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        optimizer=optimizer,
+        lora_r=lora_r,
+        lora_target_modules=lora_target_modules,
+        gradient_checkpointing=gradient_checkpointing,
+    )
+
+
+def predict_micro_batches(config, micro_batch_sizes: list[int], **settings) -> dict[int, MemoryEstimate]:
+    """The predicted peak for each micro-batch size: traced at the smallest and largest size and at
+    2 and 8 where they are candidates, interpolated linearly in between (forward+backward memory
+    is near linear in m; the interpolation errs high by ≤ 3% in the tests). Never extrapolated:
+    outside the traced points the moment of the peak can move."""
+    sizes = sorted(set(micro_batch_sizes))
+    traced_sizes = sorted({m for m in sizes if m in (2, 8)} | {sizes[0], sizes[-1]})
+    traced = trace_micro_batches(config, traced_sizes, **settings)
+    predicted = {}
+    for m in sizes:
+        if m in traced:
+            predicted[m] = max(traced[m], key=lambda e: e.peak)
+            continue
+        # Interpolate the forward+backward phase; the optimizer step's peak does not depend on m.
+        low = max(t for t in traced_sizes if t < m)
+        high = min(t for t in traced_sizes if t > m)
+        w = (m - low) / (high - low)
+        backward = MemoryEstimate(
+            **{
+                c: (1 - w) * getattr(traced[low][0], c) + w * getattr(traced[high][0], c)
+                for c in (*CATEGORIES, "host_offloaded")
+            }
+        )
+        predicted[m] = max(backward, traced[low][1], key=lambda e: e.peak)
+    return predicted
+
+
+def fits(peak_bytes: float, gpu_memory_bytes: float) -> bool:
+    """peak × FRAGMENTATION + CUDA_OVERHEAD_GIB ≤ the card's memory."""
+    return peak_bytes * FRAGMENTATION + CUDA_OVERHEAD_GIB * GIB <= gpu_memory_bytes
+
+
+def passes_per_token(trains_base_weights: bool) -> int:
+    """Forward + backward in units of one forward (2N FLOPs per token): 3 when the backward also
+    computes weight gradients (4N), 2 when the base is frozen (LoRA, QLoRA: activation gradients only)."""
+    return 3 if trains_base_weights else 2
+
+
+def relative_throughput(
+    micro_batch_size: int,
+    seq_len: int,
+    gradient_checkpointing: bool,
+    saturation_tokens: int = 2048,
+    *,
+    trains_base_weights: bool = True,
+    offloaded_bytes: float = 0.0,
+    flops_per_token: float = 0.0,
+    gpu_tflops: float = ASSUMED_GPU_TFLOPS,
+    pcie_gbps: float = ASSUMED_PCIE_GBPS,
+) -> float:
+    """A heuristic, not a measurement: larger micro-batches keep the GPU busier, with diminishing returns.
+
+    Tokens per second ∝ u = t / (t + saturation_tokens), with t = micro × seq_len tokens per micro-batch
+    (half speed at 2048 tokens, a rough knee for 0.1–8B models on consumer GPUs); recomputation
+    costs one extra forward (2N FLOPs per token): a third of a forward+backward (6N), hence × 3/4,
+    or half of one when the base is frozen (LoRA: 4N, no weight gradients), hence × 2/3.
+
+    With `offloaded_bytes` (per micro-batch, `low_memory.offload_activations`), the copies to host
+    and back take 2 × bytes / PCIe bandwidth, and add to the compute time t × flops_per_token /
+    (gpu_tflops × u × the checkpointing factor), since the recipes copy synchronously:
+    speed × compute / (compute + copies).
+    """
+    tokens = micro_batch_size * seq_len
+    passes = passes_per_token(trains_base_weights)
+    recompute = passes / (passes + 1) if gradient_checkpointing else 1.0
+    speed = tokens / (tokens + saturation_tokens) * recompute
+    if not offloaded_bytes:
+        return speed
+    compute_seconds = tokens * flops_per_token / (gpu_tflops * 1e12 * speed)
+    copy_seconds = 2 * offloaded_bytes / (pcie_gbps * 1e9)
+    return speed * compute_seconds / (compute_seconds + copy_seconds)
+
+
+def implied_copy_gbps(
+    offloaded_bytes: float, micro_batch_size: int, samples_per_second: float, offloaded_samples_per_second: float
+) -> float | None:
+    """The copy bandwidth a measured offloading slowdown implies, in the terms of `relative_throughput`:
+    2 × bytes / (seconds per micro-batch offloaded − without), in GB/s; None when offloading was not
+    measurably slower (the copies hidden, or lost in noise). What `--pcie_gbps` should be on that machine.
+    """
+    extra_seconds = micro_batch_size / offloaded_samples_per_second - micro_batch_size / samples_per_second
+    return 2 * offloaded_bytes / extra_seconds / 1e9 if extra_seconds > 0 else None
+
+
+def training_flops_per_token(config, task: str, trains_base_weights: bool) -> float:
+    """2N per token forward and 4N backward, with N the parameters used in matmuls (all but an untied
+    input embedding): the 6N of Kaplan et al. 2020, "Scaling Laws for Neural Language Models", §2.1.
+    A frozen base (LoRA, QLoRA) computes no weight gradients: 2N backward, 4N in all. Attention's
+    T-dependent FLOPs are left out (small against 6N at the sequence lengths planned here)."""
+    with torch.device("meta"):
+        model = build_model(config, task)
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    parameters = sum(p.numel() for p in model.parameters())
+    if embedding is not None and (output is None or output.weight is not embedding.weight):
+        parameters -= embedding.weight.numel()
+    return 2 * parameters * passes_per_token(trains_base_weights)
+
+
+def candidate_micro_batches(effective_batch_size: int, num_processes: int = 1) -> list[int]:
+    """Micro-batches that split the effective batch exactly: the divisors of effective / processes."""
+    if effective_batch_size < 1 or effective_batch_size % num_processes:
+        raise ConfigError(
+            f"--effective_batch_size {effective_batch_size} does not split over {num_processes} process(es); "
+            f"use a multiple of {num_processes}"
+        )
+    per_process = effective_batch_size // num_processes
+    return [m for m in range(1, per_process + 1) if per_process % m == 0]
+
+
+def plan(
+    model: str | Any,
+    *,
+    task: str,
+    seq_len: int,
+    effective_batch_size: int,
+    gpu_memory_gib: float,
+    num_processes: int = 1,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    lora_r: int | None = None,
+    lora_target_modules: str = "all-linear",
+    attention: str = "fused",
+    loss_path: str = "chunked",
+    load_in_4bit: bool = False,
+    offload_activations: bool = False,
+    host_memory_gib: float | None = None,
+    gpu_tflops: float = ASSUMED_GPU_TFLOPS,
+    pcie_gbps: float = ASSUMED_PCIE_GBPS,
+) -> dict[str, Any]:
+    """Every exact split of the effective batch, with and without checkpointing: predicted peak, fit, speed.
+
+    The recommendation is the fastest candidate that fits (ties go to the larger micro-batch).
+    `offload_activations` allows offloading, and the planner decides where: it only adds copies, so
+    a split is also traced with it only where the split does not fit without it, and its copies are
+    priced against compute (`relative_throughput`, with `gpu_tflops` and `pcie_gbps`). An offloaded
+    candidate fits only if its host bytes also stay within 80% of `host_memory_gib` (the rest is the
+    OS, the data and Python).
+    """
+    for name, value in (("--gpu_tflops", gpu_tflops), ("--pcie_gbps", pcie_gbps)):
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name} must be a positive number, got {value:g}; leave it out for the default")
+    config = load_model_config(model)
+    # The recipes refuse a sequence longer than the model's positions; so must the plan (issue 19).
+    check_context_length(config, seq_len, "--seq_len")
+    micros = candidate_micro_batches(effective_batch_size, num_processes)
+    settings = {
+        "task": task,
+        "seq_len": seq_len,
+        "precision": precision,
+        "optimizer": optimizer,
+        "lora_r": lora_r,
+        "lora_target_modules": lora_target_modules,
+        "attention": attention,
+        "loss_path": loss_path,
+        "load_in_4bit": load_in_4bit,
+    }
+    card = gpu_memory_gib * GIB
+    # predicted[(gradient_checkpointing, offload_activations)][micro]
+    predicted = {(False, False): predict_micro_batches(config, micros, gradient_checkpointing=False, **settings)}
+    smallest = predicted[(False, False)][micros[0]]  # traced: the smallest candidate always is
+    static = smallest.parameters + smallest.optimizer_state
+    if not fits(static, card):
+        options = [
+            *(["--lora_r 16"] if not lora_r else []),
+            *(["--optimizer adamw_8bit or sgd"] if optimizer == "adamw" else []),
+            *(["--precision bf16 (weights in bf16)"] if precision != "bf16" else []),
+            *(["--load_in_4bit (with --lora_r)"] if not load_in_4bit else []),
+            "a smaller model",
+        ]
+        raise ConfigError(
+            f"the weights and optimizer state alone need {static / GIB:.1f} GiB, more than a {gpu_memory_gib:g} GiB card holds "
+            f"with its margin ({FRAGMENTATION}× + {CUDA_OVERHEAD_GIB} GiB); try {', '.join(options)}"
+        )
+    predicted[(True, False)] = predict_micro_batches(config, micros, gradient_checkpointing=True, **settings)
+    if offload_activations:
+        for checkpointing in (False, True):
+            needed = [m for m in micros if not fits(predicted[(checkpointing, False)][m].peak, card)]
+            if needed:
+                predicted[(checkpointing, True)] = predict_micro_batches(
+                    config, needed, gradient_checkpointing=checkpointing, offload_activations=True, **settings
+                )
+    flops_per_token = training_flops_per_token(config, task, trains_base_weights=not lora_r)
+    rows = []
+    for (checkpointing, offloaded), estimates in sorted(predicted.items()):
+        for micro, estimate in estimates.items():
+            rows.append(
+                {
+                    "per_device_train_batch_size": micro,
+                    "gradient_accumulation_steps": effective_batch_size // (micro * num_processes),
+                    "gradient_checkpointing": checkpointing,
+                    "offload_activations": offloaded,
+                    "peak_gib": estimate.peak / GIB,
+                    "fits": fits(estimate.peak, card)
+                    and (not offloaded or estimate.host_offloaded <= 0.8 * (host_memory_gib or math.inf) * GIB),
+                    "relative_throughput": relative_throughput(
+                        micro,
+                        seq_len,
+                        checkpointing,
+                        trains_base_weights=not lora_r,
+                        offloaded_bytes=estimate.host_offloaded,
+                        flops_per_token=flops_per_token,
+                        gpu_tflops=gpu_tflops,
+                        pcie_gbps=pcie_gbps,
+                    ),
+                    "host_gib": estimate.host_offloaded / GIB,
+                    "breakdown_gib": estimate.as_gib(),
+                }
+            )
+    rows.sort(key=lambda r: (r["gradient_checkpointing"], r["per_device_train_batch_size"], r["offload_activations"]))
+    fitting = [r for r in rows if r["fits"]]
+    best = (
+        max(
+            fitting,
+            key=lambda r: (r["relative_throughput"], r["per_device_train_batch_size"], not r["offload_activations"]),
+        )
+        if fitting
+        else None
+    )
+    if best and best["offload_activations"]:
+        # What the copies cost, at the assumed bandwidth: the same split's speed without them.
+        uncopied = relative_throughput(
+            best["per_device_train_batch_size"],
+            seq_len,
+            best["gradient_checkpointing"],
+            trains_base_weights=not lora_r,
+        )
+        best["offload_slowdown"] = 1 - best["relative_throughput"] / uncopied
+    top = max(r["relative_throughput"] for r in rows)
+    for r in rows:
+        r["relative_throughput"] = r["relative_throughput"] / top
+    result = {
+        "model": getattr(config, "name_or_path", "") or str(model),
+        "task": task,
+        "seq_len": seq_len,
+        "effective_batch_size": effective_batch_size,
+        "num_processes": num_processes,
+        "precision": precision,
+        "optimizer": optimizer,
+        "lora_r": lora_r,
+        "attention": attention,
+        "loss_path": loss_path,
+        "load_in_4bit": load_in_4bit,
+        "offload_activations": offload_activations,
+        "gpu_tflops": gpu_tflops,
+        "pcie_gbps": pcie_gbps,
+        "training_flops_per_token": flops_per_token,
+        "gpu_memory_gib": gpu_memory_gib,
+        "margin": f"peak × {FRAGMENTATION} + {CUDA_OVERHEAD_GIB} GiB ≤ card",
+        "candidates": rows,
+        "recommended": best,
+    }
+    result["launch"] = launch_line(result)
+    return result
+
+
+SEQUENCE_FLAG = {
+    "causal_lm": "--block_size",
+    "text_classification": "--max_seq_length",
+    "token_classification": "--max_seq_length",
+    "seq2seq": "--max_source_length",
+}
+
+
+def launch_line(result: dict) -> str | None:
+    """The recommended configuration as a whole `accelerate launch` command: the Accelerate config for
+    the precision, and every recipe flag the plan assumed (dtype, optimizer, LoRA, 4-bit base,
+    offloading, checkpointing), not only the split. None when nothing fits.
+
+    The planner's precisions map to the recipes' dtype policy: "bf16" is bf16 mixed precision with
+    bf16 weights (--model_dtype bfloat16); under LoRA the frozen base is bf16 and the adapters fp32
+    anyway, which is the recipes' default under bf16 mixed precision.
+    """
+    best = result["recommended"]
+    if best is None:
+        return None
+    mixed_precision = {"fp16-mixed": "fp16", "fp32": "no"}.get(result["precision"], "bf16")
+    if result["num_processes"] > 1:
+        accelerate_config = (
+            f"multi_gpu_ddp.yaml --num_processes {result['num_processes']} --mixed_precision {mixed_precision}"
+        )
+    else:
+        accelerate_config = {"fp16": "single_gpu_fp16.yaml", "no": "single_gpu_bf16.yaml --mixed_precision no"}.get(
+            mixed_precision, "single_gpu_bf16.yaml"
+        )
+    flags = [
+        f"--per_device_train_batch_size {best['per_device_train_batch_size']}",
+        f"--effective_batch_size {result['effective_batch_size']}",
+        f"{SEQUENCE_FLAG[result['task']]} {result['seq_len']}",
+    ]
+    if best["gradient_checkpointing"]:
+        flags.append("--gradient_checkpointing")
+    # The plan allows offloading; the recommended candidate says whether it uses it.
+    settings = {**result, "offload_activations": best.get("offload_activations", False)}
+    return (
+        f"accelerate launch --config_file accelerate_configs/{accelerate_config} "
+        f"recipes/{result['task']}.py {' '.join(flags + recipe_flags(settings))}"
+    )
+
+
+def recipe_flags(settings: dict) -> list[str]:
+    """The recipe's command-line words for a plan's dtype, optimizer, LoRA, 4-bit and offloading settings."""
+    # The planner's "bf16" is bf16 weights in full fine-tuning; under LoRA only the frozen base is bf16.
+    bf16_weights = settings.get("precision") == "bf16" and not settings.get("lora_r")
+    flags = ["--model_dtype=bfloat16"] if bf16_weights else []
+    flags += {
+        # bf16 weights round small updates away unless rounded stochastically (docs/low_memory.md):
+        # torchao's 8-bit AdamW does that, in the same bytes as bitsandbytes'.
+        "adamw_8bit": ["--optim=adamw_torch_8bit" if bf16_weights else "--optim=adamw_8bit"],
+        "sgd": ["--optim=sgd"],
+        "adamw_4bit": ["(4-bit AdamW: torchao's, not in the recipes; see docs/low_memory.md)"],
+    }.get(settings.get("optimizer", "adamw"), [])
+    if settings.get("lora_r"):
+        flags += ["--use_lora", f"--lora_r={settings['lora_r']}"]
+    if settings.get("load_in_4bit"):
+        flags.append("--load_in_4bit")
+    if settings.get("offload_activations"):
+        flags.append("--offload_activations")
+    return flags
+
+
+def parse_memory(text: str) -> float:
+    """'12GiB', '12 GB', '11.5' → GiB as a float (GB is read as GiB: cards are sold in binary units)."""
+    cleaned = text.strip().lower().replace(" ", "")
+    for suffix in ("gib", "gb", "g"):
+        if cleaned.endswith(suffix):
+            cleaned = cleaned[: -len(suffix)]
+            break
+    try:
+        value = float(cleaned)
+    except ValueError as exc:
+        raise ConfigError(f"--gpu_memory {text!r} is not a size; write it like 12GiB or 11.5") from exc
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"--gpu_memory must be positive, got {text!r}")
+    return value

@@ -1,0 +1,337 @@
+"""Test and benchmark helpers, as `transformers.testing_utils` holds its own: tiny models built from
+configs, generated data, the recipe runners (in-process and through the real `accelerate launch`),
+and the readers and distances the equivalence checks use.
+
+Nothing here touches the network: models are initialised from configs, tokenizers are built from
+vocabularies written here, and data is generated with fixed seeds. The recipes are found beside
+the package (a source checkout), since `recipes/` is a folder of scripts, not a package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ft_accum.training.run_setup import reset_accelerate_state  # noqa: F401  (re-exported for tests, benchmarks)
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "recipes"
+CPU_CONFIG = ROOT / "accelerate_configs" / "cpu.yaml"
+
+
+TOPICS = {
+    "sport": "match goal team coach league score player season win cup".split(),
+    "money": "bank market shares profit price trade economy rate growth fund".split(),
+    "tech": "software phone chip computer network data code internet device screen".split(),
+}
+COMMON = "the a of and to in on said new year people last first".split()
+
+
+def make_rows(n: int, seed: int) -> list[dict]:
+    """Sentences of 4 to 30 words, so micro-batches pad to different lengths."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        label = list(TOPICS)[i % len(TOPICS)]
+        words = [rng.choice(TOPICS[label] if rng.random() < 0.5 else COMMON) for _ in range(rng.randint(4, 30))]
+        rows.append({"text": " ".join(words), "label": label})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def make_tiny_bert(path: Path) -> Path:
+    """A 2-layer, 32-wide BERT classifier with dropout 0, saved like a hub checkpoint."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        BertTokenizerFast,
+    )
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(
+        {w for ws in TOPICS.values() for w in ws} | set(COMMON)
+    )
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    # transformers 5 takes the vocabulary as a dict and silently ignores vocab_file (every word
+    # would become [UNK]); transformers 4 needs vocab_file. The length check catches either going wrong.
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)})
+    if len(tokenizer) != len(vocab):
+        tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"))
+    assert len(tokenizer) == len(vocab) and tokenizer.unk_token_id not in tokenizer("the match")["input_ids"]
+    tokenizer.save_pretrained(path)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=len(TOPICS),
+    )
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(path)
+    return path
+
+
+def recipe_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **settings) -> list[str]:
+    """Flags for a fast, deterministic run of any recipe on a tiny model (fp32, no LR scaling, no
+    tracker). `settings` add to or override these; a value of None drops the flag."""
+    defaults = {
+        "model_name_or_path": model_dir,
+        "train_file": data["train"],
+        "validation_file": data["validation"],
+        "learning_rate": 1e-3,
+        "lr_scaling": "none",
+        "num_warmup_steps": 0,
+        "weight_decay": 0.0,
+        "num_train_epochs": 1,
+        "output_dir": output_dir,
+        "report_to": "none",
+        "seed": 7,
+    }
+    return [f"--{k}={v}" for k, v in {**defaults, **settings}.items() if v is not None]
+
+
+def tiny_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **overrides) -> list[str]:
+    """`recipe_args` for the classification recipes: 48 tokens per sequence."""
+    return recipe_args(model_dir, data, output_dir, **{"max_seq_length": 48, **overrides})
+
+
+def load_recipe(name: str):
+    """Import recipes/<name>.py as a module (recipes/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", RECIPES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_in_process(name: str, args: list[str]) -> dict:
+    """Call the recipe's main(argv) here, then reset Accelerate's process-wide singletons."""
+    try:
+        return load_recipe(name).main(args)
+    finally:
+        reset_accelerate_state()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(
+    name: str,
+    args: list[str],
+    num_processes: int = 1,
+    config_file: str | Path | None = None,
+    launcher: str = "accelerate",
+) -> tuple[list[str], dict]:
+    """The real launch command line and environment: one process with `config_file` (default: the
+    CPU config), or `num_processes` CPU processes under DDP over gloo. `launcher` "accelerate" is
+    `accelerate launch`; "ft-accum" is `ft-accum launch`, the same options (ft_accum/cli/launcher.py)."""
+    env = dict(os.environ)
+    if launcher == "accelerate":
+        prefix = [sys.executable, "-m", "accelerate.commands.launch"]
+    else:
+        prefix = [str(Path(sys.executable).parent / "ft-accum"), "launch"]
+    if num_processes == 1:
+        cmd = [*prefix, "--config_file", str(config_file or CPU_CONFIG)]
+    else:
+        # `--cpu --num_processes 2` silently runs one process in accelerate 1.15; this runs two
+        # (torchrun, DistributedType.MULTI_CPU, gloo). The cores are shared out, not oversubscribed.
+        threads = max(1, (os.cpu_count() or 1) // num_processes)
+        env |= {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": str(threads)}
+        cmd = [
+            *prefix,
+            "--multi_gpu",
+            "--num_processes",
+            str(num_processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+        ]
+    return [*cmd, str(RECIPES / f"{name}.py"), *args], env
+
+
+def launch(name: str, args: list[str], num_processes: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+    cmd, env = launch_command(name, args, num_processes)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    if check and result.returncode != 0:
+        raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    """The saved final weights: the model's, or a LoRA run's adapter."""
+    final = Path(output_dir) / "final"
+    adapter = final / "adapter_model.safetensors"
+    return load_file(str(adapter if adapter.exists() else final / "model.safetensors"))
+
+
+def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """‖a − b‖ / ‖b‖ over all parameters together."""
+    assert a.keys() == b.keys()
+    diff = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
+    norm = sum(float(b[k].double().pow(2).sum()) for k in b)
+    return (diff / norm) ** 0.5
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def make_documents(n: int, seed: int, min_words: int = 4, max_words: int = 40) -> list[dict]:
+    """Documents of very different lengths, so padded micro-batches hold different token counts."""
+    rng = random.Random(seed)
+    words = COMMON + [w for ws in TOPICS.values() for w in ws]
+    return [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words)))} for _ in range(n)]
+
+
+def make_conversations(n: int, seed: int) -> list[dict]:
+    """Chats whose answers differ 10× and more in length: one-word answers, 20–40-word answers, and
+    some two-round conversations (two assistant turns), as `messages` rows."""
+    rng = random.Random(seed)
+    words = COMMON + [w for ws in TOPICS.values() for w in ws]
+
+    def say(low, high):
+        return " ".join(rng.choice(words) for _ in range(rng.randint(low, high)))
+
+    rows = []
+    for i in range(n):
+        answer = rng.choice(list(TOPICS)) if i % 2 == 0 else say(20, 40)
+        messages = [{"role": "user", "content": say(3, 12)}, {"role": "assistant", "content": answer}]
+        if i % 3 == 0:
+            messages += [{"role": "user", "content": say(2, 6)}, {"role": "assistant", "content": say(1, 3)}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def make_tiny_chat_lm(path: Path, width: int = 32) -> Path:
+    """A 2-layer, `width`-wide Llama with SmolLM2-135M-Instruct's real tokenizer and chat template (bundled, offline)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from ft_accum.data.offline_assets import bundled_smollm2_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_dir())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_word_tokenizer(path: Path):
+    """A word-level fast tokenizer with real pad and eos tokens, saved like a hub tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = ["<pad>", "<unk>", "<eos>"] + sorted({w for ws in TOPICS.values() for w in ws} | set(COMMON))
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+    )
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def make_tiny_lm(arch: str, path: Path, width: int = 32) -> Path:
+    """A 2-layer, `width`-wide causal LM from a config (dropout 0, 64 positions), saved with its tokenizer.
+
+    bitsandbytes' CPU 4-bit kernels need layers at least 64 wide (one quantization block)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_word_tokenizer(path)
+    common = {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.eos_token_id,
+    }
+    if arch == "gpt2":
+        config = GPT2Config(
+            n_embd=width,
+            n_layer=2,
+            n_head=2,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **common,
+        )
+        model_class = GPT2LMHeadModel
+    else:
+        config = LlamaConfig(
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            attention_dropout=0.0,
+            **common,
+        )
+        model_class = LlamaForCausalLM
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(path)
+    return path
+
+
+def tiny_lm_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **overrides) -> list[str]:
+    """`recipe_args` for causal_lm: blocks of 48 tokens."""
+    return recipe_args(model_dir, data, output_dir, **{"block_size": 48, **overrides})
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder`, by relative path: what 'nothing was damaged' compares."""
+    from ft_accum.core.integrity import sha256_of
+
+    return {str(p.relative_to(folder)): sha256_of(p) for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def copy_checkpoint(run_dir: Path, step: int, new_output_dir: Path) -> Path:
+    """A fresh --output_dir holding only `run_dir`'s checkpoint at `step`: what a crash right after it leaves to resume from."""
+    name = f"step_{step:06d}"
+    (new_output_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / name, new_output_dir / "checkpoints" / name)
+    return new_output_dir
+
+
+def load_script(path: str | Path, name: str | None = None):
+    """Import a script (a recipe or a benchmark) as a module by its path, without touching sys.path."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,329 @@
+"""Command-line and YAML arguments for recipes, through `transformers.HfArgumentParser`.
+
+Every recipe parses two dataclasses, the way `run_glue.py` parses its three: its own small
+`TaskArguments` (data, columns, lengths, model) and the `TrainingArguments` below, which holds
+everything the recipes share (batch, LR, schedule, checkpointing, the optional features) and
+checks it once, in `__post_init__`.
+
+`--config file.yaml` supplies defaults; flags on the command line override them. This order is
+what users expect from `accelerate launch recipe.py --config base.yaml --learning_rate 1e-4`, and
+it is why the YAML is applied with `set_defaults` instead of `HfArgumentParser.parse_yaml_file`
+(which ignores the command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, TypeVar
+
+import yaml
+from accelerate.utils import LoggerType
+from transformers import HfArgumentParser, SchedulerType
+
+from ft_accum.core.accumulation_schedule import parse_accumulation_schedule
+from ft_accum.core.batch_arithmetic import BatchPlan, check_accumulation_settings
+from ft_accum.core.errors import ConfigError, one_line_errors
+from ft_accum.core.lr_scaling import POLICIES, scale_learning_rate
+
+T = TypeVar("T")
+OPTIMIZERS = ("adamw_torch", "adamw_8bit", "adamw_torch_8bit", "sgd")
+
+
+@dataclass
+class TrainingArguments:
+    """What every recipe shares. Recipes change a default with `parse_args(..., learning_rate=2e-4)`."""
+
+    per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "Micro-batch per process: what fits in memory."}
+    )
+    per_device_eval_batch_size: int = field(default=32, metadata={"help": "Evaluation batch per process."})
+    gradient_accumulation_steps: Optional[int] = field(
+        default=None, metadata={"help": "Micro-batches per update. Give this or --effective_batch_size."}
+    )
+    effective_batch_size: Optional[int] = field(
+        default=None, metadata={"help": "Samples per optimizer update; the accumulation is derived from it."}
+    )
+    learning_rate: float = field(default=5e-5, metadata={"help": "Peak LR, right at --base_batch_size."})
+    base_batch_size: Optional[int] = field(
+        default=None, metadata={"help": "Batch size --learning_rate was tuned for; unset = no scaling."}
+    )
+    lr_scaling: str = field(
+        default="auto", metadata={"help": f"How the LR follows the effective batch: {', '.join(POLICIES)}."}
+    )
+    optim: str = field(
+        default="adamw_torch",
+        metadata={
+            "help": "adamw_torch (fused), adamw_8bit (bitsandbytes' 8-bit AdamW states: 2 bytes per parameter instead "
+            "of 8; needs the [lowmem] extra) or sgd (momentum 0.9)."
+        },
+    )
+    lr_scheduler_type: str = field(
+        default="linear", metadata={"help": "Any transformers scheduler name; its length is in optimizer updates."}
+    )
+    num_warmup_steps: int = field(default=0, metadata={"help": "Warmup length in optimizer updates."})
+    weight_decay: float = field(default=0.01, metadata={"help": "Decoupled weight decay (not on biases and norms)."})
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Clip the window's gradient to this norm; 0 = no clipping."}
+    )
+    num_train_epochs: int = field(default=3, metadata={"help": "Passes over the training set."})
+    max_train_steps: Optional[int] = field(
+        default=None, metadata={"help": "Stop after this many optimizer updates (overrides epochs)."}
+    )
+    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Use only the first N training rows."})
+    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Use only the first N evaluation rows."})
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute activations in backward: less memory, ~30%% slower."}
+    )
+    model_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Dtype of the trained weights and so of their gradients and AdamW state. float32 (default) keeps "
+            "fp32 master weights even for a bf16 checkpoint; bfloat16 halves that memory but loses every update "
+            "smaller than 1/256 of a weight. A LoRA base is frozen in the mixed-precision dtype either way."
+        },
+    )
+    offload_activations: bool = field(
+        default=False,
+        metadata={
+            "help": "Move what the forward saves for backward (with --gradient_checkpointing: each block's input) "
+            "to pinned host memory and back in backward: GPU memory for PCIe transfers. GPU only."
+        },
+    )
+    torch_compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each repeated block (regional compilation): faster steps, a slow first one."},
+    )
+    accumulation_schedule: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": 'Change the effective batch mid-run: "100:64,300:128" (from update 100, 300), "epoch1:64", or '
+            '"adaptive[:max=256,factor=2,patience=10]" (doubles it while the noise scale exceeds factor × the batch; '
+            "turns on --measure_noise_scale). The LR scaling is re-applied at each change."
+        },
+    )
+    measure_noise_scale: bool = field(
+        default=False,
+        metadata={
+            "help": "Log the gradient noise scale (McCandlish et al. 2018) per update and advise on the effective "
+            "batch; needs accumulation ≥ 2."
+        },
+    )
+    sync_each_batch: bool = field(
+        default=False,
+        metadata={
+            "help": "Several processes: reduce gradients after every micro-batch, not only at the window's last. "
+            "Less memory under FSDP (accelerate#2531), more communication; the update is the same."
+        },
+    )
+    auto_micro_batch: bool = field(
+        default=False,
+        metadata={
+            "help": "On out-of-memory, halve the micro-batch and double the accumulation (same effective batch and "
+            "LR) and retry the update. One process only."
+        },
+    )
+    seed: int = field(
+        default=42, metadata={"help": "Seeds the init and the sample order (which does not depend on the split)."}
+    )
+    output_dir: str = field(default="outputs/run", metadata={"help": "Where final/, checkpoints/ and metrics go."})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Replace the run already in --output_dir (refused otherwise)."}
+    )
+    checkpointing_steps: Optional[int] = field(
+        default=None, metadata={"help": "Save a checkpoint every N optimizer updates."}
+    )
+    save_total_limit: Optional[int] = field(default=None, metadata={"help": "Keep only the newest K checkpoints."})
+    resume_from_checkpoint: Optional[str] = field(
+        default=None, metadata={"help": "A checkpoint folder, or 'latest' under --output_dir."}
+    )
+    max_consecutive_skipped_updates: int = field(
+        default=20, metadata={"help": "fp16: stop after this many updates in a row skipped for overflow; 0 = never."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run Python code shipped with the model. Only for models you trust."}
+    )
+    report_to: str = field(
+        default="auto", metadata={"help": "tensorboard, none, or auto (tensorboard when installed)."}
+    )
+
+    def __post_init__(self):
+        check_accumulation_settings(self.gradient_accumulation_steps, self.effective_batch_size)
+        require_at_least(
+            self,
+            1,
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "num_train_epochs",
+            "max_train_steps",
+            "checkpointing_steps",
+            "save_total_limit",
+            "max_train_samples",
+            "max_eval_samples",
+        )
+        if self.learning_rate <= 0:
+            raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
+        require_at_least(self, 0, "weight_decay", "max_grad_norm")
+        if self.model_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"--model_dtype must be float32 or bfloat16, got {self.model_dtype!r}")
+        if self.optim not in OPTIMIZERS:
+            raise ConfigError(f"--optim must be one of {', '.join(OPTIMIZERS)}, got {self.optim!r}")
+        schedulers = [s.value for s in SchedulerType]
+        if self.lr_scheduler_type not in schedulers:
+            raise ConfigError(
+                f"--lr_scheduler_type must be one of {', '.join(schedulers)}, got {self.lr_scheduler_type!r}"
+            )
+        trackers = ["auto", "none", *(t.value for t in LoggerType)]
+        if self.report_to not in trackers:
+            raise ConfigError(f"--report_to must be one of {', '.join(trackers)}, got {self.report_to!r}")
+        if self.lr_scaling not in POLICIES:
+            raise ConfigError(f"--lr_scaling must be one of {', '.join(POLICIES)}, got {self.lr_scaling!r}")
+        schedule = parse_accumulation_schedule(self.accumulation_schedule)
+        self.measure_noise_scale |= bool(schedule and schedule.unit == "adaptive")
+        check_field_values(self)  # after the specific checks, whose messages say more
+
+    def batch_plan(self, num_processes: int) -> BatchPlan:
+        """micro × accumulation × processes for this run (see batch_arithmetic)."""
+        return BatchPlan.from_settings(
+            self.per_device_train_batch_size,
+            num_processes,
+            self.gradient_accumulation_steps,
+            self.effective_batch_size,
+        )
+
+    def scaled_learning_rate(self, effective_batch_size: int) -> float:
+        """--learning_rate moved from --base_batch_size to `effective_batch_size` (see lr_scaling)."""
+        return scale_learning_rate(
+            self.learning_rate, effective_batch_size, self.base_batch_size, self.lr_scaling, self.optim
+        )
+
+
+def parse_args(
+    task_class: type[T], argv: list[str] | None = None, description: str | None = None, **recipe_defaults
+) -> tuple[T, TrainingArguments]:
+    """Parse `argv` (default: sys.argv[1:]) into (task_class, TrainingArguments).
+
+    Precedence, lowest first: the dataclass defaults, `recipe_defaults`, `--config YAML`, the command line.
+    """
+    classes = (task_class, TrainingArguments)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+
+    # Keep the recipe docstring's line breaks (its first line is the launch command) and show defaults.
+    formatter = type(
+        "HelpFormatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
+    )
+    # allow_abbrev=False: a typo'd or shortened flag is an error, never silently another flag.
+    parser = HfArgumentParser(classes, description=description, formatter_class=formatter, allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="YAML file of defaults; command-line flags override it")
+    parser.error = _one_line_error  # argparse prints usage and a message over several lines
+    parser.set_defaults(**recipe_defaults)
+    if known.config:
+        parser.set_defaults(**read_yaml_config(known.config, *classes))
+    # The outputs: the two dataclasses, a namespace holding --config, and the strings nobody took.
+    task_args, training_args, *_, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True
+    )
+    if unknown:
+        raise ConfigError(f"unknown argument(s) {' '.join(unknown)}; see --help for the settings")
+    check_field_values(task_args)  # TrainingArguments checks itself in __post_init__
+    return task_args, training_args
+
+
+def check_field_values(config) -> None:
+    """Rules that hold for every field of every recipe: a whole number is never negative (sizes, counts,
+    steps, seeds) and a real number is finite. Field-specific minimums live in each `__post_init__`."""
+    for name in typing.get_type_hints(type(config)):
+        value = getattr(config, name)
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int) and value < 0:
+            raise ConfigError(f"--{name} must be ≥ 0, got {value}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{name} must be a finite number, got {value}")
+
+
+def _one_line_error(message: str):
+    raise ConfigError(f"{message}; see --help")
+
+
+def run_main(train, task_class: type, argv: list[str] | None, description: str | None, **recipe_defaults):
+    """A recipe's `main`: parse and train, with input errors as one `error:` line (errors.one_line_errors).
+    The output folder's lock (run_outputs.lock_output_dir) is released however it ends."""
+    from ft_accum.training.run_outputs import release_output_locks
+
+    try:
+        with one_line_errors():
+            return train(*parse_args(task_class, argv, description, **recipe_defaults))
+    finally:
+        release_output_locks()
+
+
+def read_yaml_config(path: str | Path, *config_classes: type) -> dict:
+    """The YAML mapping, after checking that every key is a field of one of `config_classes` and that
+    every value has the field's type (set_defaults skips argparse's conversion, so a YAML value
+    would otherwise reach the run as written: `4.5` for a batch size, `100:64` read as 6064)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path} does not exist; pass a YAML file such as recipes/configs/<recipe>.yaml")
+    values = read_yaml(path, "--config ")
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path} must hold a mapping of setting: value, got {type(values).__name__}")
+    fields = {f.name for cls in config_classes for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ConfigError(
+            f"--config {path} has unknown setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(fields))}"
+        )
+    hints = {name: hint for cls in config_classes for name, hint in typing.get_type_hints(cls).items()}
+    return {key: typed_value(value, hints[key], f"--config {path}: {key}") for key, value in values.items()}
+
+
+def read_yaml(path: Path, what: str = "") -> typing.Any:
+    """`yaml.safe_load` of `path` (None → {}), with a syntax error as one ConfigError line naming its place."""
+    try:
+        return yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(
+            f"{what}{path} is not valid YAML{line}: {problem}; write one 'setting: value' per line"
+        ) from None
+
+
+def typed_value(value, hint, where: str):
+    """`value` as the field type `hint` wants (int, float, bool, str, or Optional of one), or a ConfigError."""
+    optional = type(None) in typing.get_args(hint)
+    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint) if optional else hint
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where} needs a value")
+    if base is bool and isinstance(value, bool):
+        return value
+    if base is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if base is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        try:
+            return float(value)  # YAML 1.1 reads 1e-4 (no dot) as text
+        except ValueError:
+            pass
+    if base is str and isinstance(value, str):
+        return value
+    kind = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}.get(base, str(base))
+    hint_text = " (quote it: YAML reads 100:30 as the number 6030)" if base is str else ""
+    raise ConfigError(f"{where} must be {kind}, got {value!r}{hint_text}")
+
+
+def require_at_least(config, minimum: int, *names: str) -> None:
+    """Each named setting that is set (not None) must be ≥ `minimum`: zero or negative sizes are typos."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"--{name} must be ≥ {minimum}, got {value}")

@@ -1,0 +1,132 @@
+"""What every recipe does before it loads data: the Accelerator, the output folder, the optimizer,
+and the start-of-run banner. Hardware and precision come from the Accelerate config, not from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin
+
+from ft_accum.core.lr_scaling import describe_lr_scaling
+from ft_accum.models.loading import describe_dtypes
+from ft_accum.models.low_memory import adamw_8bit, adamw_8bit_stochastic_rounding
+from ft_accum.training.banner import format_banner
+from ft_accum.training.run_outputs import check_accelerator, describe_engine, prepare_output_dir, resolve_report_to
+
+
+def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str = "samples") -> Accelerator:
+    """The run's Accelerator, after the checks that refuse launches it would silently run wrong
+    (`check_accelerator`) and the guard on --output_dir; trackers started when --report_to has one.
+
+    The accumulation steps are set afterwards by `apply_batch_plan`: they follow from the process
+    count, which only the Accelerator knows for sure (a bare PartialState() ignores
+    ACCELERATE_USE_CPU and would report one process under DDP on CPU).
+    """
+    report_to = resolve_report_to(args.report_to)
+    accelerator = Accelerator(
+        log_with=report_to,
+        project_dir=args.output_dir,
+        # A seeded sampler makes the sample order depend on the seed and epoch only, not on the split.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1, sync_each_batch=args.sync_each_batch),
+    )
+    check_accelerator(accelerator, loss_weighted_by=loss_weighted_by)
+    prepare_output_dir(
+        args.output_dir,
+        resume=bool(args.resume_from_checkpoint),
+        overwrite=args.overwrite_output_dir,
+        is_main_process=accelerator.is_main_process,
+    )
+    accelerator.wait_for_everyone()
+    if report_to:
+        settings = dataclasses.asdict(task_args) | dataclasses.asdict(args)
+        accelerator.init_trackers(
+            project_name, config={k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))}
+        )
+    return accelerator
+
+
+def build_optimizer(
+    model: torch.nn.Module, args, learning_rate: float, no_decay: tuple[str, ...]
+) -> torch.optim.Optimizer:
+    """AdamW (fused, the Trainer's default too), bitsandbytes' 8-bit AdamW (`--optim adamw_8bit`,
+    see low_memory.adamw_8bit) or SGD with momentum 0.9, over the trainable parameters; no weight
+    decay on those whose names end with one of `no_decay` (biases, norms)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in trainable if not n.endswith(no_decay)], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in trainable if n.endswith(no_decay)], "weight_decay": 0.0},
+    ]
+    if args.optim == "sgd":
+        return torch.optim.SGD(groups, lr=learning_rate, momentum=0.9)
+    if args.optim == "adamw_8bit":
+        return adamw_8bit(groups, learning_rate)
+    if args.optim == "adamw_torch_8bit":
+        return adamw_8bit_stochastic_rounding(groups, learning_rate, bf16_weights=args.model_dtype == "bfloat16")
+    return torch.optim.AdamW(groups, lr=learning_rate, fused=True)
+
+
+def run_banner(
+    accelerator,
+    args,
+    plan,
+    windows: list[list[int]],
+    mean_tokens_per_sample: float | None = None,
+    extra: dict[str, str] | None = None,
+    unit: str = "samples",
+    *,
+    model,
+    optimizer,
+) -> str:
+    """The banner of `format_banner` for a recipe's settings: batch arithmetic, LR, updates, dtypes, features on."""
+    features = {
+        "engine": describe_engine(accelerator.distributed_type.value, accelerator.num_processes),
+        "dtypes": describe_dtypes(model, optimizer, accelerator.mixed_precision),
+        "torch.compile": "on: each repeated block (the first updates compile)" if args.torch_compile else None,
+        "trust_remote_code": "ON: the model's own Python code ran" if args.trust_remote_code else None,
+        "auto micro-batch": "on: out of memory halves the micro-batch, doubles the accumulation"
+        if args.auto_micro_batch
+        else None,
+        "accumulation schedule": f"{args.accumulation_schedule} (LR scaling re-applied at each change)"
+        if args.accumulation_schedule
+        else None,
+        "noise scale": "measured every update" if args.measure_noise_scale else None,
+    }
+    lr_line = describe_lr_scaling(
+        args.learning_rate,
+        args.scaled_learning_rate(plan.effective),
+        plan.effective,
+        args.base_batch_size,
+        args.lr_scaling,
+        args.optim,
+    )
+    return format_banner(
+        per_device_train_batch_size=plan.micro,
+        gradient_accumulation_steps=plan.accumulation,
+        num_processes=plan.processes,
+        lr_line=lr_line,
+        mixed_precision=accelerator.mixed_precision,
+        gradient_checkpointing=args.gradient_checkpointing,
+        num_update_steps=sum(map(len, windows)),
+        num_train_epochs=len(windows),
+        updates_per_epoch=len(windows[0]),
+        mean_tokens_per_sample=mean_tokens_per_sample,
+        extra={**(extra or {}), **{k: v for k, v in features.items() if v}},
+        unit=unit,
+    )
+
+
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide singletons, so that the next recipe in this process starts clean.
+
+    Accelerate has no public way: its own tests call these private `_reset_state` methods. This is the
+    one place that does, for `ft-accum check` and every test and benchmark;
+    tests/test_batch_arithmetic.py fails if an upgrade removes them.
+    """
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

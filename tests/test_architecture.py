@@ -1,0 +1,94 @@
+"""The library's layers (docs/architecture.md): imports point down only, and there is no import cycle.
+
+Every import counts, the ones inside functions too: a deferred import is still an arrow.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ft_accum"
+# A layer may import its own modules and those of the layers below it; data and models sit beside each other.
+LEVELS = {"core": 0, "data": 1, "models": 1, "training": 2, "planner": 3, "cli": 4, "testing": 5}
+BESIDE = {("data", "models"), ("models", "data")}  # forbidden both ways: neither needs the other
+NOT_IN_CORE = ("accelerate", "torch.distributed")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports, as dotted names (`from a import b` counts a.b when that is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+# The evaluate metric scripts (data/metrics/<name>/<name>.py) are loaded by path, not imported.
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py") if p.parent.parent.name != "metrics"}
+GRAPH = {name: {i for i in imports_of(path) if i in MODULES and i != name} for name, path in MODULES.items()}
+
+
+def layer(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LEVELS else None
+
+
+def test_every_module_sits_in_a_layer():
+    loose = [name for name in MODULES if name != "ft_accum" and layer(name) is None]
+    assert loose == [], f"modules outside the layer packages {sorted(LEVELS)}: {loose}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if layer(n)))
+def test_imports_point_down(name):
+    mine = layer(name)
+    for target in sorted(GRAPH[name]):
+        theirs = layer(target)
+        if theirs is None or theirs == mine:
+            continue
+        assert (mine, theirs) not in BESIDE and LEVELS[theirs] <= LEVELS[mine], (
+            f"{name} ({mine}) imports {target} ({theirs}): an arrow that points up or sideways"
+        )
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if layer(n) == "core"))
+def test_the_core_has_no_accelerate_or_torch_distributed(name):
+    bad = [i for i in imports_of(MODULES[name]) if i.startswith(NOT_IN_CORE)]
+    assert bad == [], f"{name} is accumulation math and must not import {bad}"
+
+
+def test_no_import_cycle():
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == [], "import cycles: " + "; ".join(" → ".join(c) for c in cycles)
+
+
+def test_the_check_would_see_a_cycle():
+    """The cycle search on a graph that has one (a → b → c → a): the test above can fail."""
+    global GRAPH
+    saved, GRAPH = GRAPH, {"a": {"b"}, "b": {"c"}, "c": {"a"}}
+    try:
+        with pytest.raises(AssertionError, match="a → b → c → a"):
+            test_no_import_cycle()
+    finally:
+        GRAPH = saved
