@@ -124,7 +124,9 @@ def build_model(task, args, accelerator):
     if task.use_lora:
         lora.import_peft()  # a missing peft fails before the model loads
     tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
-    model = loading.load_causal_lm(name, args, accelerator, frozen_base=task.use_lora, load_in_4bit=task.load_in_4bit)
+    model = loading.load_causal_lm(
+        name, args=args, accelerator=accelerator, frozen_base=task.use_lora, load_in_4bit=task.load_in_4bit
+    )
     loading.check_context_length(model.config, task.block_size, "--block_size")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
@@ -132,13 +134,15 @@ def build_model(task, args, accelerator):
         model.config.use_cache = False  # the cache is useless in training and conflicts with recomputation
         loading.enable_gradient_checkpointing(model)
     if task.use_lora:
-        model = lora.apply_lora(model, task, args.gradient_checkpointing, args.model_dtype)
+        model = lora.apply_lora(
+            model, task_args=task, gradient_checkpointing=args.gradient_checkpointing, model_dtype=args.model_dtype
+        )
     return model, tokenizer
 
 
 def load_raw_data(task, args):
     raw = data_sources.load_splits(
-        task, args.seed, lambda seed: offline_assets.load_bbc_news(seed=seed).remove_columns("label")
+        task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_news(seed=seed).remove_columns("label")
     )
     raw = data_sources.check_columns(raw, text_column=task.text_column)
     raw = data_sources.drop_empty_rows(raw, task.text_column)
@@ -240,11 +244,13 @@ def train(task, args):
         tokenizer, model, task.model_name_or_path or "the bundled model", raw["train"][:64][task.text_column]
     )
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(task, args, accelerator, raw, tokenizer)
-    optimizer = build_optimizer(model, args, args.scaled_learning_rate(plan.effective), NO_DECAY)
+    optimizer = build_optimizer(
+        model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
+    )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = AccumulationScheduler(args, plan, len(train_dataloader))
+    schedule = AccumulationScheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
@@ -261,8 +267,8 @@ def train(task, args):
         )
     )
 
-    state, signature = training_state.start_or_resume(accelerator, model, args, plan)
-    noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="target tokens")
+    state, signature = training_state.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="target tokens")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
     tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
     initial_eval = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
@@ -272,7 +278,9 @@ def train(task, args):
     model.train()
     while state.epoch < schedule.num_epochs:
         window = AccumulationWindow(accelerator.device)
-        for batch, is_padding in training_state.remaining_batches(accelerator, train_dataloader, state, plan):
+        for batch, is_padding in training_state.remaining_batches(
+            accelerator, train_dataloader=train_dataloader, state=state, plan=plan
+        ):
             if window.is_empty:  # a window starts: an accumulation schedule may change its size
                 plan = schedule.at_window_start(
                     accelerator, optimizer, lr_scheduler, plan, state, noise.in_samples(state)
@@ -286,7 +294,7 @@ def train(task, args):
                         loss_sum, num_tokens, sequences = loss_sum * 0, 0, 0
                     window.add(loss_sum=loss_sum, items=num_tokens, samples=sequences, tokens=num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)
-                    noise.after_backward(accelerator, num_tokens, nominal_tokens, plan)
+                    noise.after_backward(accelerator, items=num_tokens, nominal_items=nominal_tokens, plan=plan)
                     if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the target tokens
                         totals = window.finish(accelerator, model, plan, nominal_tokens, args.max_grad_norm, state)
                     optimizer.step()
@@ -298,7 +306,7 @@ def train(task, args):
 
             if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
                 advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
-                columns = noise.at_sync(accelerator, totals, state)
+                columns = noise.at_sync(accelerator, totals=totals, state=state)
                 if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), advance, **columns):
                     break
         if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
@@ -306,13 +314,13 @@ def train(task, args):
 
         with tracker.paused():
             eval_metrics = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
-        run_outputs.log_evaluation(accelerator, state.epoch, state.step, eval_metrics)
+        run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
         state.next_epoch()
     if advice := noise.advice(state):
         accelerator.print(advice)
     initial = {"initial_eval_perplexity": initial_eval["eval_perplexity"]}
     extras = lambda: save_extras(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
-    return tracker.finish(model, tokenizer, plan, extras, **eval_metrics, **initial)
+    return tracker.finish(model, tokenizer=tokenizer, plan=plan, after_save=extras, **eval_metrics, **initial)
 
 
 def main(argv=None):

@@ -228,19 +228,23 @@ def train(task, args):
     if notice := norm.apply_batchnorm_policy(model, task.batchnorm, plan.accumulation, plan.processes):
         accelerator.print(notice)
     train_dataloader, eval_dataloader = build_dataloaders(task, args, raw, processor, label_names)
-    optimizer = build_optimizer(model, args, args.scaled_learning_rate(plan.effective), NO_DECAY)
+    optimizer = build_optimizer(
+        model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
+    )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = AccumulationScheduler(args, plan, len(train_dataloader))
+    schedule = AccumulationScheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     rows = {"train / eval images": f"{len(raw['train'])} / {len(raw['validation'])}", "BatchNorm": task.batchnorm}
     accelerator.print(
-        run_banner(accelerator, args, plan, schedule.windows, extra=rows, model=model, optimizer=optimizer)
+        run_banner(
+            accelerator, args=args, plan=plan, windows=schedule.windows, extra=rows, model=model, optimizer=optimizer
+        )
     )
 
-    state, signature = training_state.start_or_resume(accelerator, model, args, plan)
-    noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="samples")
+    state, signature = training_state.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="samples")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
     tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
     metrics = load_metric("accuracy"), load_metric("f1")
@@ -248,7 +252,9 @@ def train(task, args):
     model.train()
     while state.epoch < schedule.num_epochs:
         window = AccumulationWindow(accelerator.device)
-        for batch, is_padding in training_state.remaining_batches(accelerator, train_dataloader, state, plan):
+        for batch, is_padding in training_state.remaining_batches(
+            accelerator, train_dataloader=train_dataloader, state=state, plan=plan
+        ):
             if window.is_empty:  # a window starts: an accumulation schedule may change its size
                 plan = schedule.at_window_start(
                     accelerator, optimizer, lr_scheduler, plan, state, noise.in_samples(state)
@@ -262,7 +268,7 @@ def train(task, args):
                         loss_sum, samples = loss_sum * 0, 0
                     window.add(loss_sum=loss_sum, items=samples, samples=samples)
                     accelerator.backward(loss_sum / plan.micro)
-                    noise.after_backward(accelerator, samples, plan.micro, plan)
+                    noise.after_backward(accelerator, items=samples, nominal_items=plan.micro, plan=plan)
                     if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the true sample count
                         totals = window.finish(accelerator, model, plan, plan.micro, args.max_grad_norm, state)
                     optimizer.step()
@@ -274,7 +280,7 @@ def train(task, args):
 
             if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
                 advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
-                columns = noise.at_sync(accelerator, totals, state)
+                columns = noise.at_sync(accelerator, totals=totals, state=state)
                 if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), advance, **columns):
                     break
         if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
@@ -282,11 +288,11 @@ def train(task, args):
 
         with tracker.paused():
             eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
-        run_outputs.log_evaluation(accelerator, state.epoch, state.step, eval_metrics)
+        run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
         state.next_epoch()
     if advice := noise.advice(state):
         accelerator.print(advice)
-    return tracker.finish(model, processor, plan, **eval_metrics)
+    return tracker.finish(model, tokenizer=processor, plan=plan, **eval_metrics)
 
 
 def main(argv=None):

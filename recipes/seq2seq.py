@@ -110,7 +110,9 @@ def build_model(task, args):
 
 
 def load_raw_data(task, args):
-    raw = data_sources.load_splits(task, args.seed, lambda seed: offline_assets.load_bbc_headlines(seed=seed))
+    raw = data_sources.load_splits(
+        task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_headlines(seed=seed)
+    )
     raw = data_sources.check_columns(raw, source_column=task.source_column, target_column=task.target_column)
     raw = data_sources.drop_empty_rows(raw, task.source_column, task.target_column)
     data_sources.check_text_column(raw, task.source_column)
@@ -197,11 +199,13 @@ def train(task, args):
         tokenizer, model, task.model_name_or_path or "the bundled model", raw["train"][:64][task.source_column]
     )
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(task, args, accelerator, raw, tokenizer, model)
-    optimizer = build_optimizer(model, args, args.scaled_learning_rate(plan.effective), NO_DECAY)
+    optimizer = build_optimizer(
+        model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
+    )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = AccumulationScheduler(args, plan, len(train_dataloader))
+    schedule = AccumulationScheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=False, accelerator=accelerator, enabled=task.chunked_loss
@@ -215,8 +219,8 @@ def train(task, args):
         run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, model=model, optimizer=optimizer)
     )
 
-    state, signature = training_state.start_or_resume(accelerator, model, args, plan)
-    noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="target tokens")
+    state, signature = training_state.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="target tokens")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
     tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
     rouge = load_metric("rouge")
@@ -229,7 +233,9 @@ def train(task, args):
     model.train()
     while state.epoch < schedule.num_epochs:
         window = AccumulationWindow(accelerator.device)
-        for batch, is_padding in training_state.remaining_batches(accelerator, train_dataloader, state, plan):
+        for batch, is_padding in training_state.remaining_batches(
+            accelerator, train_dataloader=train_dataloader, state=state, plan=plan
+        ):
             if window.is_empty:  # a window starts: an accumulation schedule may change its size
                 plan = schedule.at_window_start(
                     accelerator, optimizer, lr_scheduler, plan, state, noise.in_samples(state)
@@ -243,7 +249,7 @@ def train(task, args):
                         loss_sum, num_tokens, examples = loss_sum * 0, 0, 0
                     window.add(loss_sum=loss_sum, items=num_tokens, samples=examples, tokens=num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)
-                    noise.after_backward(accelerator, num_tokens, nominal_tokens, plan)
+                    noise.after_backward(accelerator, items=num_tokens, nominal_items=nominal_tokens, plan=plan)
                     if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the target tokens
                         totals = window.finish(accelerator, model, plan, nominal_tokens, args.max_grad_norm, state)
                     optimizer.step()
@@ -255,7 +261,7 @@ def train(task, args):
 
             if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
                 advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
-                columns = noise.at_sync(accelerator, totals, state)
+                columns = noise.at_sync(accelerator, totals=totals, state=state)
                 if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), advance, **columns):
                     break
         if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
@@ -263,12 +269,12 @@ def train(task, args):
 
         with tracker.paused():
             eval_metrics = evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss)
-        run_outputs.log_evaluation(accelerator, state.epoch, state.step, eval_metrics)
+        run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
         state.next_epoch()
     if advice := noise.advice(state):
         accelerator.print(advice)
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
-    return tracker.finish(model, tokenizer, plan, **eval_metrics, **initial)
+    return tracker.finish(model, tokenizer=tokenizer, plan=plan, **eval_metrics, **initial)
 
 
 def main(argv=None):

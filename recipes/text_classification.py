@@ -71,7 +71,7 @@ NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight")
 
 
 def load_raw_data(task, args):
-    raw = data_sources.load_splits(task, args.seed, lambda seed: offline_assets.load_bbc_news(seed=seed))
+    raw = data_sources.load_splits(task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_news(seed=seed))
     raw = data_sources.check_columns(raw, text_column=task.text_column, label_column=task.label_column)
     raw = data_sources.drop_empty_rows(raw, task.text_column, task.label_column)
     data_sources.check_text_column(raw, task.text_column)
@@ -162,19 +162,21 @@ def train(task, args):
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(
         task, args, accelerator, raw, tokenizer, label_names
     )
-    optimizer = build_optimizer(model, args, args.scaled_learning_rate(plan.effective), NO_DECAY)
+    optimizer = build_optimizer(
+        model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
+    )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = AccumulationScheduler(args, plan, len(train_dataloader))
+    schedule = AccumulationScheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     rows = {"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}"}
     accelerator.print(
         run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, model=model, optimizer=optimizer)
     )
 
-    state, signature = training_state.start_or_resume(accelerator, model, args, plan)
-    noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="samples")
+    state, signature = training_state.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="samples")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
     tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
     metrics = load_metric("accuracy"), load_metric("f1")
@@ -182,7 +184,9 @@ def train(task, args):
     model.train()
     while state.epoch < schedule.num_epochs:
         window = AccumulationWindow(accelerator.device)
-        for batch, is_padding in training_state.remaining_batches(accelerator, train_dataloader, state, plan):
+        for batch, is_padding in training_state.remaining_batches(
+            accelerator, train_dataloader=train_dataloader, state=state, plan=plan
+        ):
             if window.is_empty:  # a window starts: an accumulation schedule may change its size
                 plan = schedule.at_window_start(
                     accelerator, optimizer, lr_scheduler, plan, state, noise.in_samples(state)
@@ -196,7 +200,7 @@ def train(task, args):
                         loss_sum, samples, tokens = loss_sum * 0, 0, 0
                     window.add(loss_sum=loss_sum, items=samples, samples=samples, tokens=tokens)
                     accelerator.backward(loss_sum / plan.micro)
-                    noise.after_backward(accelerator, samples, plan.micro, plan)
+                    noise.after_backward(accelerator, items=samples, nominal_items=plan.micro, plan=plan)
                     if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the true sample count
                         totals = window.finish(accelerator, model, plan, plan.micro, args.max_grad_norm, state)
                     optimizer.step()
@@ -208,7 +212,7 @@ def train(task, args):
 
             if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
                 advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
-                columns = noise.at_sync(accelerator, totals, state)
+                columns = noise.at_sync(accelerator, totals=totals, state=state)
                 if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), advance, **columns):
                     break
         if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
@@ -216,11 +220,11 @@ def train(task, args):
 
         with tracker.paused():
             eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
-        run_outputs.log_evaluation(accelerator, state.epoch, state.step, eval_metrics)
+        run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
         state.next_epoch()
     if advice := noise.advice(state):
         accelerator.print(advice)
-    return tracker.finish(model, tokenizer, plan, **eval_metrics)
+    return tracker.finish(model, tokenizer=tokenizer, plan=plan, **eval_metrics)
 
 
 def main(argv=None):

@@ -114,7 +114,7 @@ def build_model(task, args, label_names):
 
 def load_raw_data(task, args):
     raw = data_sources.load_splits(
-        task, args.seed, lambda seed: offline_assets.load_punctuation_restoration(seed=seed)
+        task, seed=args.seed, bundled=lambda seed: offline_assets.load_punctuation_restoration(seed=seed)
     )
     label_column = task.label_column or data_sources.find_tags_column(raw["train"])
     raw = data_sources.check_columns(raw, tokens_column=task.tokens_column, label_column=label_column)
@@ -213,19 +213,21 @@ def train(task, args):
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(
         task, args, accelerator, raw, tokenizer, label_column, label_names
     )
-    optimizer = build_optimizer(model, args, args.scaled_learning_rate(plan.effective), NO_DECAY)
+    optimizer = build_optimizer(
+        model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
+    )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = AccumulationScheduler(args, plan, len(train_dataloader))
+    schedule = AccumulationScheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     rows = {"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}", "tags": ", ".join(label_names)}
     accelerator.print(
         run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, model=model, optimizer=optimizer)
     )
 
-    state, signature = training_state.start_or_resume(accelerator, model, args, plan)
-    noise = NoiseScaleMeter(args.measure_noise_scale, model, plan, unit="labelled tokens")
+    state, signature = training_state.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="labelled tokens")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
     tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
     seqeval = load_metric("seqeval")
@@ -234,7 +236,9 @@ def train(task, args):
     model.train()
     while state.epoch < schedule.num_epochs:
         window = AccumulationWindow(accelerator.device)
-        for batch, is_padding in training_state.remaining_batches(accelerator, train_dataloader, state, plan):
+        for batch, is_padding in training_state.remaining_batches(
+            accelerator, train_dataloader=train_dataloader, state=state, plan=plan
+        ):
             if window.is_empty:  # a window starts: an accumulation schedule may change its size
                 plan = schedule.at_window_start(
                     accelerator, optimizer, lr_scheduler, plan, state, noise.in_samples(state)
@@ -248,7 +252,7 @@ def train(task, args):
                         loss_sum, num_tokens, sequences = loss_sum * 0, 0, 0
                     window.add(loss_sum=loss_sum, items=num_tokens, samples=sequences, tokens=num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)
-                    noise.after_backward(accelerator, num_tokens, nominal_tokens, plan)
+                    noise.after_backward(accelerator, items=num_tokens, nominal_items=nominal_tokens, plan=plan)
                     if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the labelled tokens
                         totals = window.finish(accelerator, model, plan, nominal_tokens, args.max_grad_norm, state)
                     optimizer.step()
@@ -260,7 +264,7 @@ def train(task, args):
 
             if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
                 advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
-                columns = noise.at_sync(accelerator, totals, state)
+                columns = noise.at_sync(accelerator, totals=totals, state=state)
                 if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), advance, **columns):
                     break
         if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
@@ -268,11 +272,11 @@ def train(task, args):
 
         with tracker.paused():
             eval_metrics = evaluate_model(model, eval_dataloader, accelerator, seqeval, label_names)
-        run_outputs.log_evaluation(accelerator, state.epoch, state.step, eval_metrics)
+        run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
         state.next_epoch()
     if advice := noise.advice(state):
         accelerator.print(advice)
-    return tracker.finish(model, tokenizer, plan, **eval_metrics)
+    return tracker.finish(model, tokenizer=tokenizer, plan=plan, **eval_metrics)
 
 
 def main(argv=None):

@@ -95,6 +95,42 @@ def load_bbc_news(test_size: float = 0.2, seed: int = 42) -> datasets.DatasetDic
     return datasets.DatasetDict(train=split["train"], validation=split["test"])
 
 
+def load_sentence_pairs(seed: int = 42, num_pairs: int = 1500, test_size: float = 0.2) -> datasets.DatasetDict:
+    """STS-style sentence pairs built from the bundled BBC News articles, as `train` and `validation`.
+
+    Columns: `sentence1`, `sentence2` and `score` in [0, 5], as STS-B scores similarity: an
+    article's headline with its own first sentence scores 5, with the first sentence of another
+    article on the same topic 2.5, with one from another topic 0. Pairs are drawn with `seed`.
+    """
+    import random
+
+    articles = load_bbc_news(test_size=0.5, seed=seed)
+    rows = [*articles["train"], *articles["validation"]]
+    split_lines = [[line.strip() for line in row["text"].splitlines() if line.strip()] for row in rows]
+    firsts = [(lines[0], lines[1].split(". ")[0], row["label"]) for lines, row in zip(split_lines, rows) if len(lines) > 1]
+    by_topic: dict[int, list[int]] = {}
+    for i, (_, _, label) in enumerate(firsts):
+        by_topic.setdefault(label, []).append(i)
+    rng = random.Random(seed)
+    pairs = {"sentence1": [], "sentence2": [], "score": []}
+    for n in range(num_pairs):
+        i = rng.randrange(len(firsts))
+        headline, _, label = firsts[i]
+        kind = n % 3
+        if kind == 0:
+            j, score = i, 5.0
+        elif kind == 1:
+            j, score = rng.choice(by_topic[label]), 2.5
+        else:
+            j, score = rng.choice([k for t, ks in by_topic.items() if t != label for k in ks]), 0.0
+        pairs["sentence1"].append(headline)
+        pairs["sentence2"].append(firsts[j][1])
+        pairs["score"].append(score if j != i or kind == 0 else 5.0)
+    full = datasets.Dataset.from_dict(pairs)
+    split = full.train_test_split(test_size=test_size, seed=seed)
+    return datasets.DatasetDict(train=split["train"], validation=split["test"])
+
+
 def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     """SmolLM2-135M-Instruct as a plain Hugging Face folder, converted once from the bundled GGUF.
 
