@@ -200,7 +200,8 @@ def command_for(sweep: dict, run: dict, run_dir: Path) -> list[str]:
     args.append(f"--output_dir={run_dir}")
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*")):
         args.append("--resume_from_checkpoint=latest")
-    return [*launch, sweep["recipe"], *args]
+    # The sweep file's base is the run's config: not the recipe's shipped one under it.
+    return [*launch, sweep["recipe"], "--config=none", *args]
 
 
 def write_state(output_dir: Path, state: dict) -> None:

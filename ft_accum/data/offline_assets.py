@@ -107,7 +107,9 @@ def load_sentence_pairs(seed: int = 42, num_pairs: int = 1500, test_size: float 
     articles = load_bbc_news(test_size=0.5, seed=seed)
     rows = [*articles["train"], *articles["validation"]]
     split_lines = [[line.strip() for line in row["text"].splitlines() if line.strip()] for row in rows]
-    firsts = [(lines[0], lines[1].split(". ")[0], row["label"]) for lines, row in zip(split_lines, rows) if len(lines) > 1]
+    firsts = [
+        (lines[0], lines[1].split(". ")[0], row["label"]) for lines, row in zip(split_lines, rows) if len(lines) > 1
+    ]
     by_topic: dict[int, list[int]] = {}
     for i, (_, _, label) in enumerate(firsts):
         by_topic.setdefault(label, []).append(i)

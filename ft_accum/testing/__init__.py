@@ -124,7 +124,7 @@ def load_recipe(name: str):
 def run_in_process(name: str, args: list[str]) -> dict:
     """Call the recipe's main(argv) here, then reset Accelerate's process-wide singletons."""
     try:
-        return load_recipe(name).main(args)
+        return load_recipe(name).main(["--config=none", *args])  # see launch_command
     finally:
         reset_accelerate_state()
 
@@ -171,7 +171,8 @@ def launch_command(
             "--main_process_port",
             str(free_port()),
         ]
-    return [*cmd, str(RECIPES / f"{name}.py"), *args], env
+    # --config none first: tests set what they rely on, not the recipe's shipped config (a later --config wins).
+    return [*cmd, str(RECIPES / f"{name}.py"), "--config=none", *args], env
 
 
 def launch(name: str, args: list[str], num_processes: int = 1, check: bool = True) -> subprocess.CompletedProcess:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,11 +204,20 @@ class TrainingArguments:
 
 
 def parse_args(
-    task_class: type[T], argv: list[str] | None = None, description: str | None = None, **recipe_defaults
+    task_class: type[T],
+    argv: list[str] | None = None,
+    description: str | None = None,
+    default_config: Path | None = None,
+    **recipe_defaults,
 ) -> tuple[T, TrainingArguments]:
     """Parse `argv` (default: sys.argv[1:]) into (task_class, TrainingArguments).
 
-    Precedence, lowest first: the dataclass defaults, `recipe_defaults`, `--config YAML`, the command line.
+    Precedence, lowest first: the dataclass defaults, `recipe_defaults`, the YAML config, the command
+    line. The config is `--config FILE`, else `default_config` (the recipe's own
+    recipes/configs/<name>.yaml), so a run with no flags is the run its docstring describes;
+    `--config none` leaves every value at its dataclass default. A command-line
+    --gradient_accumulation_steps or --effective_batch_size replaces the config's other one (the two
+    are one setting, and giving both is an error).
     """
     classes = (task_class, TrainingArguments)
     pre = argparse.ArgumentParser(add_help=False)
@@ -220,11 +230,22 @@ def parse_args(
     )
     # allow_abbrev=False: a typo'd or shortened flag is an error, never silently another flag.
     parser = HfArgumentParser(classes, description=description, formatter_class=formatter, allow_abbrev=False)
-    parser.add_argument("--config", default=None, help="YAML file of defaults; command-line flags override it")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="YAML file of settings; command-line flags override it. Default: the recipe's recipes/configs/<name>.yaml "
+        "if it exists; 'none' for none",
+    )
     parser.error = _one_line_error  # argparse prints usage and a message over several lines
     parser.set_defaults(**recipe_defaults)
-    if known.config:
-        parser.set_defaults(**read_yaml_config(known.config, *classes))
+    config = known.config if known.config is not None else default_config
+    if config and str(config).lower() != "none" and (known.config is not None or Path(config).is_file()):
+        values = read_yaml_config(config, *classes)
+        given = {a.split("=")[0].lstrip("-") for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
+        split = {"gradient_accumulation_steps", "effective_batch_size"}
+        if given & split:
+            values = {k: v for k, v in values.items() if k not in split - given}
+        parser.set_defaults(**values)
     # The outputs: the two dataclasses, a namespace holding --config, and the strings nobody took.
     task_args, training_args, *_, unknown = parser.parse_args_into_dataclasses(
         args=argv, return_remaining_strings=True
@@ -257,9 +278,11 @@ def run_main(train, task_class: type, argv: list[str] | None, description: str |
     The output folder's lock (run_outputs.lock_output_dir) is released however it ends."""
     from ft_accum.training.run_outputs import release_output_locks
 
+    recipe = Path(train.__code__.co_filename)
     try:
         with one_line_errors():
-            return train(*parse_args(task_class, argv, description, **recipe_defaults))
+            default_config = recipe.parent / "configs" / f"{recipe.stem}.yaml"
+            return train(*parse_args(task_class, argv, description, default_config, **recipe_defaults))
     finally:
         release_output_locks()
 

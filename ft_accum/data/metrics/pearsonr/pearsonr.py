@@ -15,7 +15,9 @@ class Pearsonr(evaluate.Metric):
             description="Pearson's linear correlation between predictions and references.",
             citation="",
             inputs_description="predictions: list of float; references: list of float",
-            features=datasets.Features({"predictions": datasets.Value("float64"), "references": datasets.Value("float64")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("float64"), "references": datasets.Value("float64")}
+            ),
         )
 
     def _compute(self, predictions, references):
