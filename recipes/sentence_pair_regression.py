@@ -1,0 +1,232 @@
+r"""accelerate launch --config_file accelerate_configs/cpu.yaml recipes/sentence_pair_regression.py \
+    --config recipes/configs/sentence_pair_regression.yaml
+
+Fine-tune a sentence-pair regressor (an STS-style similarity score) with exact gradient accumulation.
+
+With no flags it fine-tunes the pretrained all-MiniLM-L6-v2 on sentence pairs built from BBC News
+(scores 0, 2.5 or 5) and reports the held-out Pearson correlation, in a few minutes
+on a laptop CPU. Point it at your own data with --train_file/--validation_file (csv, tsv, json,
+jsonl) or --dataset_name, and at your own model with --model_name_or_path.
+
+The settings that matter:
+- --effective_batch_size (or --gradient_accumulation_steps): the update is computed over
+  effective = per_device_train_batch_size × gradient_accumulation_steps × processes samples,
+  and it equals one full-batch update of that size, the incomplete last window included.
+- --learning_rate is the LR that is right at --base_batch_size; --lr_scaling adapts it to the
+  effective batch.
+- Precision and processes come from the Accelerate config (accelerate_configs/), not from here.
+
+Outputs in --output_dir: final/ (save_pretrained), metrics.jsonl (one line per optimizer update),
+all_results.json, checkpoints/step_XXXXXX/ (with --checkpointing_steps; taken only at the end of an
+accumulation window, so `--resume_from_checkpoint latest` continues bit-identically after a crash).
+SIGTERM or Ctrl-C finishes the current update, saves a checkpoint and prints the resume command.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import set_seed
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+
+from ft_accum.core.accumulation_schedule import AccumulationScheduler
+from ft_accum.core.batch_arithmetic import apply_batch_plan
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.loss_normalization import AccumulationWindow
+from ft_accum.core.noise_scale import NoiseScaleMeter
+from ft_accum.data import data_sources, offline_assets
+from ft_accum.data.metrics import load_metric
+from ft_accum.models import loading, low_memory
+from ft_accum.training import run_outputs, training_state
+from ft_accum.training.arguments import run_main
+from ft_accum.training.graceful_stop import GracefulStop
+from ft_accum.training.memory import OutOfMemoryRetry
+from ft_accum.training.run_setup import build_accelerator, build_optimizer, run_banner
+
+
+@dataclass
+class TaskArguments:
+    model_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Local dir or hub name. Default: the bundled all-MiniLM-L6-v2 (offline)."}
+    )
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "Hub dataset (needs network). Default: pairs built from the bundled BBC News."}
+    )
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
+    train_file: Optional[str] = field(default=None, metadata={"help": "Local csv, tsv, json or jsonl training rows."})
+    validation_file: Optional[str] = field(
+        default=None, metadata={"help": "Local evaluation file; default: 10%% of train."}
+    )
+    text_column: str = field(default="sentence1", metadata={"help": "Column holding the first sentence."})
+    text_pair_column: str = field(default="sentence2", metadata={"help": "Column holding the second sentence."})
+    label_column: str = field(default="score", metadata={"help": "Column holding the score (a number)."})
+    max_seq_length: int = field(default=128, metadata={"help": "Truncate inputs to this many tokens."})
+
+    def __post_init__(self):
+        if self.max_seq_length < 2:
+            raise ConfigError(f"--max_seq_length must be ≥ 2, got {self.max_seq_length} (room for [CLS] and [SEP])")
+
+
+NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight")
+
+
+def load_raw_data(task, args):
+    raw = data_sources.load_splits(task, seed=args.seed, bundled=offline_assets.load_sentence_pairs)
+    raw = data_sources.check_columns(
+        raw, text_column=task.text_column, text_pair_column=task.text_pair_column, label_column=task.label_column
+    )
+    raw = data_sources.drop_empty_rows(raw, task.text_column, task.text_pair_column, task.label_column)
+    data_sources.check_text_column(raw, task.text_column)
+    raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
+    return raw, None  # a score, not classes
+
+
+def build_model(task, args, label_names):
+    name = task.model_name_or_path or str(offline_assets.bundled_minilm_dir())
+    tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
+    model = loading.load_pretrained(
+        AutoModelForSequenceClassification, name, args.trust_remote_code, num_labels=1, problem_type="regression",
+        ignore_mismatched_sizes=True,  # a head trained for another label set is replaced (transformers says which)
+    )  # fmt: skip
+    model = loading.cast_and_compile(model, args)
+    loading.check_context_length(model.config, task.max_seq_length, "--max_seq_length")
+    if args.gradient_checkpointing:
+        # Non-reentrant checkpointing is the variant that works under DDP with unused parameters.
+        loading.enable_gradient_checkpointing(model)
+    return model, tokenizer
+
+
+def build_dataloaders(task, args, accelerator, raw, tokenizer, label_names):
+    def tokenize(rows):
+        encoded = tokenizer(
+            rows[task.text_column], rows[task.text_pair_column], truncation=True, max_length=task.max_seq_length
+        )
+        encoded["labels"] = [float(v) for v in rows[task.label_column]]
+        return encoded
+
+    with accelerator.main_process_first():
+        tokenized = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, desc="Tokenizing")
+    # Multiples of 8 let fp16/bf16 tensor cores engage; in fp32 they would only add padding.
+    collator = DataCollatorWithPadding(
+        tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None
+    )
+    # Generators of their own keep dropout bit-identical across a resume (see seeded_dataloaders).
+    train_dataloader, eval_dataloader = data_sources.seeded_dataloaders(
+        tokenized, collator, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed
+    )
+    mean_tokens = sum(map(len, tokenized["train"]["input_ids"])) / len(tokenized["train"])
+    return train_dataloader, eval_dataloader, mean_tokens
+
+
+def training_step(model, batch):
+    """The micro-batch's summed loss (not a mean: the sync step divides by the window's true count),
+    its samples, and its non-padding tokens."""
+    labels = batch.pop("labels")
+    logits = model(**batch).logits.float()
+    return F.mse_loss(logits.squeeze(-1), labels, reduction="sum"), len(labels), batch["attention_mask"].sum()
+
+
+def evaluate_model(model, eval_dataloader, accelerator, pearsonr):
+    model.eval()
+    loss_sum, count = 0.0, 0
+    for batch in eval_dataloader:
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        # gather_for_metrics drops the samples Accelerate repeated to even out the last batch.
+        logits, labels = accelerator.gather_for_metrics((logits, batch["labels"]))
+        loss_sum += F.mse_loss(logits.squeeze(-1), labels, reduction="sum").item()
+        count += len(labels)
+        pearsonr.add_batch(predictions=logits.squeeze(-1), references=labels)
+    model.train()
+    return {
+        "eval_loss": loss_sum / count,
+        "eval_pearsonr": pearsonr.compute()["pearsonr"],
+    }
+
+
+def train(task, args):
+    accelerator = build_accelerator(task, args, "sentence_pair_regression")
+    plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
+    set_seed(args.seed)
+
+    raw, label_names = load_raw_data(task, args)
+    model, tokenizer = build_model(task, args, label_names)
+    loading.check_tokenizer(
+        tokenizer, model, task.model_name_or_path or "the bundled model", raw["train"][:64][task.text_column]
+    )
+    train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(
+        task, args, accelerator, raw, tokenizer, label_names
+    )
+    optimizer = build_optimizer(
+        model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
+    )
+    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader
+    )
+    schedule = AccumulationScheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
+    rows = {"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}"}
+    accelerator.print(
+        run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, model=model, optimizer=optimizer)
+    )
+
+    state, signature = training_state.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="samples")
+    oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
+    tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
+    metrics = (load_metric("pearsonr"),)
+    eval_metrics = {}
+    model.train()
+    while state.epoch < schedule.num_epochs:
+        window = AccumulationWindow(accelerator.device)
+        for batch, is_padding in training_state.remaining_batches(
+            accelerator, train_dataloader=train_dataloader, state=state, plan=plan
+        ):
+            if window.is_empty:  # a window starts: an accumulation schedule may change its size
+                plan = schedule.at_window_start(
+                    accelerator, optimizer, lr_scheduler, plan, state, noise.in_samples(state)
+                )
+            try:
+                with accelerator.accumulate(model):
+                    with offload:  # --offload_activations: what backward needs waits in host memory
+                        loss_sum, samples, tokens = training_step(model, batch)
+                    # Rows Accelerate repeated so that every process steps together count for nothing.
+                    if is_padding:
+                        loss_sum, samples, tokens = loss_sum * 0, 0, 0
+                    window.add(loss_sum=loss_sum, items=samples, samples=samples, tokens=tokens)
+                    accelerator.backward(loss_sum / plan.micro)
+                    noise.after_backward(accelerator, items=samples, nominal_items=plan.micro, plan=plan)
+                    if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the true sample count
+                        totals = window.finish(accelerator, model, plan, plan.micro, args.max_grad_norm, state)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad()
+            except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is a CPU allocator refusal
+                train_dataloader, plan = oom_retry.recover(exc, accelerator, optimizer, train_dataloader, plan)
+                break
+
+            if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
+                advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
+                columns = noise.at_sync(accelerator, totals=totals, state=state)
+                if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), advance, **columns):
+                    break
+        if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
+            continue
+
+        with tracker.paused():
+            eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
+        run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
+        state.next_epoch()
+    if advice := noise.advice(state):
+        accelerator.print(advice)
+    return tracker.finish(model, tokenizer=tokenizer, plan=plan, **eval_metrics)
+
+
+def main(argv=None):
+    return run_main(train, TaskArguments, argv, __doc__, output_dir="outputs/sentence_pair_regression")
+
+
+if __name__ == "__main__":
+    main()

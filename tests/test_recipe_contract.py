@@ -1,0 +1,59 @@
+"""The recipe contract (docs/writing_a_recipe.md), checked over every file in recipes/.
+
+No list of recipes and no per-recipe settings: each file found is run through the real
+`ft-accum check` command on its offline default (its own config, 20 rows): a bad flag is one
+`error:` line, (8 × 1) and (2 × 4) give the same updates and weights, a resume is bit-identical.
+A new recipe that follows the guide passes without this file edited. Each recipe's own behaviour
+(its data format, its metric, DDP on uneven rows through `accelerate launch`) is tested in its
+own test file.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, make_documents, tiny_lm_args, write_jsonl
+
+pytestmark = pytest.mark.launch
+FT_ACCUM = str(Path(sys.executable).parent / "ft-accum")
+
+
+def check(recipe: Path, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+    return subprocess.run([FT_ACCUM, "check", str(recipe), *flags], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.py")), ids=lambda p: p.stem)
+def test_every_recipe_keeps_the_contract(recipe):
+    result = check(recipe)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    table = result.stdout[result.stdout.index(f"ft-accum check {recipe}") :]
+    assert "6 of 6 passed" in table and "FAIL" not in table, table
+
+
+def test_a_copy_with_the_classic_bug_fails_the_check_with_the_size_of_the_error(tmp_path, tiny_gpt2_dir):
+    """A copy of the causal-LM recipe that backpropagates each micro-batch's token mean (loss / its own
+    token count, as copies of Accelerate's example do) instead of a constant: micro-batches of unequal
+    length then weigh their tokens unequally, and the check must fail and say by how much."""
+    source = (ROOT / "recipes" / "causal_lm.py").read_text()
+    correct = "accelerator.backward(loss_sum / nominal_tokens)"
+    assert correct in source
+    buggy = tmp_path / "my_causal_lm.py"
+    buggy.write_text(source.replace(correct, "accelerator.backward(loss_sum / num_tokens)"))
+    data = {"train": write_jsonl(tmp_path / "train.jsonl", make_documents(24, seed=11)),
+            "validation": write_jsonl(tmp_path / "val.jsonl", make_documents(4, seed=12))}  # fmt: skip
+    flags = tiny_lm_args(tiny_gpt2_dir, data, tmp_path / "unused")
+    flags = [f for f in flags if not f.startswith("--output_dir")]
+    result = check(buggy, *flags)
+    assert result.returncode == 1, result.stdout[-3000:]
+    failed = [line for line in result.stdout.splitlines() if " FAIL " in line]
+    assert any("grad_norm of every update" in line for line in failed), result.stdout[-2000:]
+    error = float(next(line for line in failed if "grad_norm" in line).split("relative error ")[1].split()[0])
+    assert error > 1e-3, error  # far beyond the 1e-5 bound: the check reports the size
+    assert "the recipe breaks the contract" in result.stdout
+
+    # The same flags on the shipped recipe pass: the failure is the bug, not the flags.
+    assert check(ROOT / "recipes" / "causal_lm.py", *flags).returncode == 0
