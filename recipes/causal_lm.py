@@ -37,7 +37,6 @@ from typing import Optional
 from accelerate.utils import set_seed
 from transformers import AutoTokenizer, DataCollatorForLanguageModeling, default_data_collator
 
-from ft_accum.core.accumulation_schedule import AccumulationScheduler
 from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
 from ft_accum.core.loss_normalization import AccumulationWindow
@@ -49,7 +48,14 @@ from ft_accum.training import run_outputs, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
-from ft_accum.training.run_setup import build_accelerator, build_optimizer, run_banner
+from ft_accum.training.run_setup import (
+    accumulation_scheduler,
+    build_accelerator,
+    build_optimizer,
+    load_splits,
+    lora_settings,
+    run_banner,
+)
 
 
 @dataclass
@@ -125,7 +131,13 @@ def build_model(task, args, accelerator):
         lora.import_peft()  # a missing peft fails before the model loads
     tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
     model = loading.load_causal_lm(
-        name, args=args, accelerator=accelerator, frozen_base=task.use_lora, load_in_4bit=task.load_in_4bit
+        name,
+        accelerator,
+        model_dtype=args.model_dtype,
+        torch_compile=args.torch_compile,
+        trust_remote_code=args.trust_remote_code,
+        frozen_base=task.use_lora,
+        load_in_4bit=task.load_in_4bit,
     )
     loading.check_context_length(model.config, task.block_size, "--block_size")
     if tokenizer.pad_token is None:
@@ -135,13 +147,16 @@ def build_model(task, args, accelerator):
         loading.enable_gradient_checkpointing(model)
     if task.use_lora:
         model = lora.apply_lora(
-            model, task_args=task, gradient_checkpointing=args.gradient_checkpointing, model_dtype=args.model_dtype
+            model,
+            lora_settings(task),
+            gradient_checkpointing=args.gradient_checkpointing,
+            model_dtype=args.model_dtype,
         )
     return model, tokenizer
 
 
 def load_raw_data(task, args):
-    raw = data_sources.load_splits(
+    raw = load_splits(
         task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_news(seed=seed).remove_columns("label")
     )
     raw = data_sources.check_columns(raw, text_column=task.text_column)
@@ -250,14 +265,14 @@ def train(task, args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = AccumulationScheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    schedule = accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
     )
     layout = f"{'packed' if task.packing else 'padded'} to {task.block_size} tokens"
     rows = {
-        "trainable": lora.describe_trainable(model, task),
+        "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None),
         "sequences": f"{len(train_dataloader.dataset)} train / {len(eval_dataloader.dataset)} eval, {layout}",
         "loss": output_loss.path,
     }

@@ -32,7 +32,6 @@ import transformers
 from accelerate.utils import set_seed
 from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig
 
-from ft_accum.core.accumulation_schedule import AccumulationScheduler
 from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
 from ft_accum.core.loss_normalization import AccumulationWindow
@@ -44,7 +43,12 @@ from ft_accum.training import run_outputs, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
-from ft_accum.training.run_setup import build_accelerator, build_optimizer, run_banner
+from ft_accum.training.run_setup import (
+    accumulation_scheduler,
+    build_accelerator,
+    build_optimizer,
+    run_banner,
+)
 
 # transformers ≥ 5 has the PIL backend, which needs no torchvision, as a class of its own.
 ImageProcessor = getattr(transformers, "ViTImageProcessorPil", transformers.ViTImageProcessor)
@@ -130,7 +134,7 @@ def build_model(task, args, label_names):
         processor = ImageProcessor(
             size={"height": task.image_size, "width": task.image_size}, image_mean=[0.5] * 3, image_std=[0.5] * 3
         )
-    model = loading.cast_and_compile(model, args)
+    model = loading.cast_and_compile(model, args.model_dtype, args.torch_compile)
     if args.gradient_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise ConfigError(f"{type(model).__name__} does not support --gradient_checkpointing; drop the flag")
@@ -234,7 +238,7 @@ def train(task, args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = AccumulationScheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    schedule = accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     rows = {"train / eval images": f"{len(raw['train'])} / {len(raw['validation'])}", "BatchNorm": task.batchnorm}
     accelerator.print(

@@ -41,7 +41,6 @@ import torch
 from accelerate.utils import set_seed
 from transformers import AutoTokenizer
 
-from ft_accum.core.accumulation_schedule import AccumulationScheduler
 from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
 from ft_accum.core.loss_normalization import AccumulationWindow
@@ -53,7 +52,14 @@ from ft_accum.training import run_outputs, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
-from ft_accum.training.run_setup import build_accelerator, build_optimizer, run_banner
+from ft_accum.training.run_setup import (
+    accumulation_scheduler,
+    build_accelerator,
+    build_optimizer,
+    load_splits,
+    lora_settings,
+    run_banner,
+)
 
 
 @dataclass
@@ -119,7 +125,13 @@ def build_model(task, args, accelerator):
     tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
     chat_data.resolve_chat_template(tokenizer, task.chat_template, name)
     model = loading.load_causal_lm(
-        name, args=args, accelerator=accelerator, frozen_base=task.use_lora, load_in_4bit=task.load_in_4bit
+        name,
+        accelerator,
+        model_dtype=args.model_dtype,
+        torch_compile=args.torch_compile,
+        trust_remote_code=args.trust_remote_code,
+        frozen_base=task.use_lora,
+        load_in_4bit=task.load_in_4bit,
     )
     loading.check_context_length(model.config, task.max_seq_length, "--max_seq_length")
     if tokenizer.pad_token is None:
@@ -128,16 +140,17 @@ def build_model(task, args, accelerator):
         loading.enable_gradient_checkpointing(model)
     if task.use_lora:
         model = lora.apply_lora(
-            model, task_args=task, gradient_checkpointing=args.gradient_checkpointing, model_dtype=args.model_dtype
+            model,
+            lora_settings(task),
+            gradient_checkpointing=args.gradient_checkpointing,
+            model_dtype=args.model_dtype,
         )
     return model, tokenizer
 
 
 def load_conversations(task, args):
     """{split: [conversation, ...]}, every row checked (a list of known roles with an assistant turn)."""
-    raw = data_sources.load_splits(
-        task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_instructions(seed=seed)
-    )
+    raw = load_splits(task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_instructions(seed=seed))
     present = raw["train"].column_names
     if task.messages_column in present:
         columns = {"messages_column": task.messages_column}
@@ -239,7 +252,7 @@ def train(task, args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = AccumulationScheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    schedule = accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
@@ -248,7 +261,7 @@ def train(task, args):
     answers = sum(sum(label != -100 for label in row["labels"]) for row in train_rows) / len(train_rows)
     unit = "packed rows" if task.packing else "conversations"
     rows = {
-        "trainable": lora.describe_trainable(model, task),
+        "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None),
         "conversations": f"{len(train_chats.rows)} train / {len(tokenized['validation'].rows)} eval"
         + (f", packed into {len(train_rows)} rows" if task.packing else ""),
         "assistant tokens": f"≈{answers * plan.effective:,.0f} per update (the loss's denominator)",

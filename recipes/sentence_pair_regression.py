@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-from ft_accum.core.accumulation_schedule import AccumulationScheduler
 from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
 from ft_accum.core.loss_normalization import AccumulationWindow
@@ -42,7 +41,13 @@ from ft_accum.training import run_outputs, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
-from ft_accum.training.run_setup import build_accelerator, build_optimizer, run_banner
+from ft_accum.training.run_setup import (
+    accumulation_scheduler,
+    build_accelerator,
+    build_optimizer,
+    load_splits,
+    run_banner,
+)
 
 
 @dataclass
@@ -72,7 +77,7 @@ NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight")
 
 
 def load_raw_data(task, args):
-    raw = data_sources.load_splits(task, seed=args.seed, bundled=offline_assets.load_sentence_pairs)
+    raw = load_splits(task, seed=args.seed, bundled=offline_assets.load_sentence_pairs)
     raw = data_sources.check_columns(
         raw, text_column=task.text_column, text_pair_column=task.text_pair_column, label_column=task.label_column
     )
@@ -89,7 +94,7 @@ def build_model(task, args, label_names):
         AutoModelForSequenceClassification, name, args.trust_remote_code, num_labels=1, problem_type="regression",
         ignore_mismatched_sizes=True,  # a head trained for another label set is replaced (transformers says which)
     )  # fmt: skip
-    model = loading.cast_and_compile(model, args)
+    model = loading.cast_and_compile(model, args.model_dtype, args.torch_compile)
     loading.check_context_length(model.config, task.max_seq_length, "--max_seq_length")
     if args.gradient_checkpointing:
         # Non-reentrant checkpointing is the variant that works under DDP with unused parameters.
@@ -165,7 +170,7 @@ def train(task, args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = AccumulationScheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    schedule = accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     rows = {"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}"}
     accelerator.print(

@@ -30,7 +30,6 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
 
-from ft_accum.core.accumulation_schedule import AccumulationScheduler
 from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
 from ft_accum.core.loss_normalization import AccumulationWindow
@@ -43,7 +42,13 @@ from ft_accum.training import run_outputs, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
-from ft_accum.training.run_setup import build_accelerator, build_optimizer, run_banner
+from ft_accum.training.run_setup import (
+    accumulation_scheduler,
+    build_accelerator,
+    build_optimizer,
+    load_splits,
+    run_banner,
+)
 
 
 @dataclass
@@ -99,7 +104,7 @@ def build_model(task, args):
         )  # e.g. a saved bert2bert
     else:  # an encoder-only checkpoint: warm-start both halves from it (Rothe et al. 2020)
         model = loading.warm_start_encoder_decoder(name, tokenizer)
-    model = loading.cast_and_compile(model, args)
+    model = loading.cast_and_compile(model, args.model_dtype, args.torch_compile)
     loading.check_context_length(
         getattr(model.config, "encoder", model.config), task.max_source_length, "--max_source_length"
     )
@@ -110,9 +115,7 @@ def build_model(task, args):
 
 
 def load_raw_data(task, args):
-    raw = data_sources.load_splits(
-        task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_headlines(seed=seed)
-    )
+    raw = load_splits(task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_headlines(seed=seed))
     raw = data_sources.check_columns(raw, source_column=task.source_column, target_column=task.target_column)
     raw = data_sources.drop_empty_rows(raw, task.source_column, task.target_column)
     data_sources.check_text_column(raw, task.source_column)
@@ -205,7 +208,7 @@ def train(task, args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = AccumulationScheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    schedule = accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=False, accelerator=accelerator, enabled=task.chunked_loss

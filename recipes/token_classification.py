@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from transformers import AutoModelForTokenClassification, AutoTokenizer, DataCollatorForTokenClassification
 
-from ft_accum.core.accumulation_schedule import AccumulationScheduler
 from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
 from ft_accum.core.loss_normalization import AccumulationWindow
@@ -41,7 +40,13 @@ from ft_accum.training import run_outputs, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
-from ft_accum.training.run_setup import build_accelerator, build_optimizer, run_banner
+from ft_accum.training.run_setup import (
+    accumulation_scheduler,
+    build_accelerator,
+    build_optimizer,
+    load_splits,
+    run_banner,
+)
 
 
 @dataclass
@@ -105,7 +110,7 @@ def build_model(task, args, label_names):
         ignore_mismatched_sizes=True,
     )
     loading.check_context_length(model.config, task.max_seq_length, "--max_seq_length")
-    model = loading.cast_and_compile(model, args)
+    model = loading.cast_and_compile(model, args.model_dtype, args.torch_compile)
     if args.gradient_checkpointing:
         # Non-reentrant checkpointing is the variant that works under DDP with unused parameters.
         loading.enable_gradient_checkpointing(model)
@@ -113,7 +118,7 @@ def build_model(task, args, label_names):
 
 
 def load_raw_data(task, args):
-    raw = data_sources.load_splits(
+    raw = load_splits(
         task, seed=args.seed, bundled=lambda seed: offline_assets.load_punctuation_restoration(seed=seed)
     )
     label_column = task.label_column or data_sources.find_tags_column(raw["train"])
@@ -219,7 +224,7 @@ def train(task, args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = AccumulationScheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    schedule = accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     rows = {"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}", "tags": ", ".join(label_names)}
     accelerator.print(

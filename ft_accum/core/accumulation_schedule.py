@@ -255,18 +255,26 @@ class AccumulationScheduler:
     prepared dataloader holds this process's share of the batches.
     """
 
-    def __init__(self, args, plan, batches_per_epoch: int):
-        self.args, self.start, self.processes = args, plan.effective, plan.processes
-        self.schedule = parse_accumulation_schedule(args.accumulation_schedule)
+    def __init__(
+        self,
+        plan,
+        batches_per_epoch: int,
+        *,
+        accumulation_schedule: str | None,
+        num_train_epochs: int,
+        max_train_steps: int | None,
+        lr_scheduler_type: str,
+        num_warmup_steps: int,
+        scaled_learning_rate,
+    ):
+        """`scaled_learning_rate(effective_batch)` is the peak LR for an effective batch (--lr_scaling)."""
+        self.start, self.processes = plan.effective, plan.processes
+        self.lr_scheduler_type, self.num_warmup_steps = lr_scheduler_type, num_warmup_steps
+        self.scaled_learning_rate = scaled_learning_rate
+        self.schedule = parse_accumulation_schedule(accumulation_schedule)
         check_schedule(self.schedule, plan.micro, plan.processes, plan.effective)
         self.windows = plan_windows(
-            batches_per_epoch,
-            args.num_train_epochs,
-            plan.micro,
-            plan.processes,
-            self.start,
-            self.schedule,
-            args.max_train_steps,
+            batches_per_epoch, num_train_epochs, plan.micro, plan.processes, self.start, self.schedule, max_train_steps
         )
         self.num_update_steps = sum(map(len, self.windows))
         self.num_epochs = len(self.windows)
@@ -274,7 +282,7 @@ class AccumulationScheduler:
     def lr_scheduler(self, optimizer):
         """--lr_scheduler_type over the planned updates (see lr_schedule); pass it through `accelerator.prepare`."""
         return build_lr_scheduler(
-            self.args.lr_scheduler_type, optimizer, self.args.num_warmup_steps, self.num_update_steps, self.processes
+            self.lr_scheduler_type, optimizer, self.num_warmup_steps, self.num_update_steps, self.processes
         )
 
     def at_window_start(self, accelerator, optimizer, lr_scheduler, plan, state, measured_noise_scale):
@@ -295,7 +303,7 @@ class AccumulationScheduler:
         if target == plan.effective:  # else: a change, or the resume of a run that changed
             return plan
         plan = apply_batch_plan(accelerator, plan.resplit(target))
-        learning_rate = self.args.scaled_learning_rate(target)
+        learning_rate = self.scaled_learning_rate(target)
         set_peak_learning_rate(optimizer, lr_scheduler, learning_rate)
         accelerator.print(f"update {state.step}: effective batch {plan.describe()}, peak lr {learning_rate:.3g}")
         return plan

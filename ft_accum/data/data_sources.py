@@ -343,18 +343,25 @@ def tag_names(raw: datasets.DatasetDict, tokens_column: str, label_column: str) 
     return list(inner.names) if hasattr(inner, "names") else sorted(flat["train"])
 
 
-def load_splits(task_args, seed: int, bundled) -> datasets.DatasetDict:
+def load_splits(
+    *,
+    train_file: str | None,
+    validation_file: str | None,
+    dataset_name: str | None,
+    dataset_config_name: str | None,
+    seed: int,
+    bundled,
+) -> datasets.DatasetDict:
     """train and validation splits from --train_file, --dataset_name, or `bundled(seed)` (the offline default).
 
-    `task_args` has `train_file`, `validation_file`, `dataset_name` and `dataset_config_name`.
     Without a validation split, 10% of train is held out with `seed` (`with_validation_split`).
     """
-    if task_args.train_file and task_args.dataset_name:
+    if train_file and dataset_name:
         raise ConfigError("give --train_file or --dataset_name, not both")
-    if task_args.train_file:
-        raw = load_local_files(task_args.train_file, task_args.validation_file)
-    elif task_args.dataset_name:
-        raw = load_hub_dataset(task_args.dataset_name, task_args.dataset_config_name)
+    if train_file:
+        raw = load_local_files(train_file, validation_file)
+    elif dataset_name:
+        raw = load_hub_dataset(dataset_name, dataset_config_name)
     else:
         raw = bundled(seed)
     return with_validation_split(raw, seed)

@@ -35,13 +35,15 @@ def load_pretrained(auto_class, name: str, trust_remote_code: bool = False, **kw
         raise ConfigError(f"could not load model {name!r}: {str(exc).strip().splitlines()[0]} ({hint})") from exc
 
 
-def cast_and_compile(model, args, mixed_precision: str = "no", frozen_base: bool = False):
+def cast_and_compile(
+    model, model_dtype: str, torch_compile: bool = False, mixed_precision: str = "no", frozen_base: bool = False
+):
     """Cast the weights to the dtype they train in, and --torch_compile the repeated blocks; return the model.
 
     transformers 5 loads a checkpoint in the dtype it was saved in, and most hub LLMs are saved in
     bf16: a full fine-tune would then train pure bf16, with bf16 AdamW states, and lose every
     update smaller than bf16's resolution (2^-8 relative) without a word (issue 16). So weights
-    that train are `args.model_dtype` (fp32 by default; bf16 → fp32 is exact). A base that LoRA
+    that train are `model_dtype` (--model_dtype: fp32 by default; bf16 → fp32 is exact). A base that LoRA
     will freeze only runs forward, so it takes the mixed-precision dtype (bf16 or fp16), as peft's
     and the Trainer's LoRA recipes do; peft then creates the adapters in fp32.
 
@@ -53,7 +55,7 @@ def cast_and_compile(model, args, mixed_precision: str = "no", frozen_base: bool
     A model loaded in 4 bits (--load_in_4bit) is not cast: it gets peft's k-bit preparation instead
     (low_memory.prepare_4bit_model).
     """
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.model_dtype]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model_dtype]
     if frozen_base and mixed_precision in ("bf16", "fp16"):
         dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
     if getattr(model, "is_loaded_in_4bit", False):  # --load_in_4bit: the weights are NF4, not castable
@@ -62,7 +64,7 @@ def cast_and_compile(model, args, mixed_precision: str = "no", frozen_base: bool
         model = prepare_4bit_model(model, mixed_precision)
     else:
         model = model.to(dtype)
-    if args.torch_compile:
+    if torch_compile:
         block_names = set(getattr(model, "_no_split_modules", None) or [])
         blocks = [module for module in model.modules() if type(module).__name__ in block_names]
         for block in blocks or [model]:  # a model that names no blocks is compiled whole
@@ -70,7 +72,16 @@ def cast_and_compile(model, args, mixed_precision: str = "no", frozen_base: bool
     return model
 
 
-def load_causal_lm(name: str, args, accelerator, *, frozen_base: bool, load_in_4bit: bool = False):
+def load_causal_lm(
+    name: str,
+    accelerator,
+    *,
+    model_dtype: str,
+    torch_compile: bool,
+    trust_remote_code: bool,
+    frozen_base: bool,
+    load_in_4bit: bool = False,
+):
     """AutoModelForCausalLM `name`, its base in NF4 4-bit weights with `load_in_4bit` (QLoRA; bitsandbytes
     quantizes it as it loads, on this process's device), then `cast_and_compile`."""
     from transformers import AutoModelForCausalLM
@@ -81,8 +92,8 @@ def load_causal_lm(name: str, args, accelerator, *, frozen_base: bool, load_in_4
 
         quantized = {"quantization_config": quantization_config(accelerator.mixed_precision)}
         quantized["device_map"] = {"": accelerator.device}
-    model = load_pretrained(AutoModelForCausalLM, name, args.trust_remote_code, **quantized)
-    return cast_and_compile(model, args, accelerator.mixed_precision, frozen_base=frozen_base)
+    model = load_pretrained(AutoModelForCausalLM, name, trust_remote_code, **quantized)
+    return cast_and_compile(model, model_dtype, torch_compile, accelerator.mixed_precision, frozen_base=frozen_base)
 
 
 def describe_dtypes(model, optimizer, mixed_precision: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ft_accum.core.errors import ConfigError
@@ -23,7 +25,17 @@ def parse_target_modules(value: str) -> str | list[str]:
     return value if value == "all-linear" else [m.strip() for m in value.split(",") if m.strip()]
 
 
-def apply_lora(model, task_args, gradient_checkpointing: bool, model_dtype: str = "float32"):
+@dataclass(frozen=True)
+class LoraSettings:
+    """The --lora_* flags: rank, alpha, dropout and the target modules (a comma list, or all-linear)."""
+
+    r: int
+    alpha: int
+    dropout: float
+    target_modules: str
+
+
+def apply_lora(model, settings: LoraSettings, gradient_checkpointing: bool, model_dtype: str = "float32"):
     """Wrap a causal LM in a LoRA adapter from the recipe's --lora_* flags (peft's `get_peft_model`).
 
     The adapters are the trained weights, so they take --model_dtype: peft creates them in fp32,
@@ -33,10 +45,10 @@ def apply_lora(model, task_args, gradient_checkpointing: bool, model_dtype: str 
     peft = import_peft()
     lora_config = peft.LoraConfig(
         task_type="CAUSAL_LM",
-        r=task_args.lora_r,
-        lora_alpha=task_args.lora_alpha,
-        lora_dropout=task_args.lora_dropout,
-        target_modules=parse_target_modules(task_args.lora_target_modules),
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=parse_target_modules(settings.target_modules),
     )
     model = peft.get_peft_model(model, lora_config)
     if model_dtype == "bfloat16":
@@ -49,8 +61,8 @@ def apply_lora(model, task_args, gradient_checkpointing: bool, model_dtype: str 
     return model
 
 
-def describe_trainable(model, task_args) -> str:
+def describe_trainable(model, lora_r: int | None = None) -> str:
     """The banner's line: trainable parameters of all, and the LoRA rank if any."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    lora_rank = f" (LoRA r={task_args.lora_r})" if task_args.use_lora else ""
+    lora_rank = f" (LoRA r={lora_r})" if lora_r else ""
     return f"{trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters{lora_rank}"

@@ -130,3 +130,43 @@ def reset_accelerate_state() -> None:
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+# The readers of the argument dataclasses for the library below: the library takes values.
+
+
+def accumulation_scheduler(args, plan, batches_per_epoch: int):
+    """The run's AccumulationScheduler from the shared arguments (see core/accumulation_schedule)."""
+    from ft_accum.core.accumulation_schedule import AccumulationScheduler
+
+    return AccumulationScheduler(
+        plan,
+        batches_per_epoch,
+        accumulation_schedule=args.accumulation_schedule,
+        num_train_epochs=args.num_train_epochs,
+        max_train_steps=args.max_train_steps,
+        lr_scheduler_type=args.lr_scheduler_type,
+        num_warmup_steps=args.num_warmup_steps,
+        scaled_learning_rate=args.scaled_learning_rate,
+    )
+
+
+def load_splits(task_args, seed: int, bundled):
+    """data_sources.load_splits from a recipe's --train_file, --validation_file, --dataset_name, --dataset_config_name."""
+    from ft_accum.data.data_sources import load_splits as load
+
+    return load(
+        train_file=task_args.train_file,
+        validation_file=task_args.validation_file,
+        dataset_name=task_args.dataset_name,
+        dataset_config_name=task_args.dataset_config_name,
+        seed=seed,
+        bundled=bundled,
+    )
+
+
+def lora_settings(task_args):
+    """A recipe's --lora_r, --lora_alpha, --lora_dropout and --lora_target_modules as a LoraSettings."""
+    from ft_accum.models.lora import LoraSettings
+
+    return LoraSettings(task_args.lora_r, task_args.lora_alpha, task_args.lora_dropout, task_args.lora_target_modules)
