@@ -55,6 +55,8 @@ from ft_accum.training.run_setup import (
     load_splits,
     lora_settings,
     run_banner,
+    run_settings,
+    start_or_resume,
 )
 
 
@@ -282,10 +284,12 @@ def train(task, args):
         )
     )
 
-    state, signature = training_state.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    state, signature = start_or_resume(accelerator, model=model, args=args, plan=plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="target tokens")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
-    tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
+    tracker = training_state.RunTracker(
+        accelerator, run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+    )
     initial_eval = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
     accelerator.print(f"before training: eval_perplexity {initial_eval['eval_perplexity']:.2f}")
     nominal_tokens = plan.micro * task.block_size  # any constant works; this one keeps losses O(1)

@@ -48,6 +48,8 @@ from ft_accum.training.run_setup import (
     build_accelerator,
     build_optimizer,
     run_banner,
+    run_settings,
+    start_or_resume,
 )
 
 # transformers ≥ 5 has the PIL backend, which needs no torchvision, as a class of its own.
@@ -247,10 +249,12 @@ def train(task, args):
         )
     )
 
-    state, signature = training_state.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    state, signature = start_or_resume(accelerator, model=model, args=args, plan=plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="samples")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
-    tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
+    tracker = training_state.RunTracker(
+        accelerator, run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+    )
     metrics = load_metric("accuracy"), load_metric("f1")
     eval_metrics = {}
     model.train()

@@ -59,6 +59,8 @@ from ft_accum.training.run_setup import (
     load_splits,
     lora_settings,
     run_banner,
+    run_settings,
+    start_or_resume,
 )
 
 
@@ -275,10 +277,12 @@ def train(task, args):
     )
     accelerator.print(banner)
 
-    state, signature = training_state.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    state, signature = start_or_resume(accelerator, model=model, args=args, plan=plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="assistant tokens")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
-    tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
+    tracker = training_state.RunTracker(
+        accelerator, run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+    )
     eval_conversations = conversations["validation"]
     initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations)
     before = f"eval_loss {initial_eval['eval_loss']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"

@@ -46,6 +46,8 @@ from ft_accum.training.run_setup import (
     build_optimizer,
     load_splits,
     run_banner,
+    run_settings,
+    start_or_resume,
 )
 
 
@@ -231,10 +233,12 @@ def train(task, args):
         run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, model=model, optimizer=optimizer)
     )
 
-    state, signature = training_state.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    state, signature = start_or_resume(accelerator, model=model, args=args, plan=plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="labelled tokens")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
-    tracker = training_state.RunTracker(accelerator, args, state, signature, schedule.num_update_steps, GracefulStop())
+    tracker = training_state.RunTracker(
+        accelerator, run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+    )
     seqeval = load_metric("seqeval")
     nominal_tokens = plan.micro * task.max_seq_length  # any constant works; this one keeps losses O(1)
     eval_metrics = {}

@@ -92,3 +92,21 @@ def test_the_check_would_see_a_cycle():
             test_no_import_cycle()
     finally:
         GRAPH = saved
+
+
+ARGUMENT_READERS = {"ft_accum.training.arguments", "ft_accum.training.run_setup"}  # and the recipes
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n in MODULES if layer(n) not in ("cli", "testing") and n not in ARGUMENT_READERS)
+)
+def test_only_the_setup_module_reads_the_argument_dataclasses(name):
+    """Library functions take the values they use (a BatchPlan, a path, a LoraSettings), not `args` or `task`."""
+    reads = sorted(
+        f"{node.value.id}.{node.attr}"
+        for node in ast.walk(ast.parse(MODULES[name].read_text()))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in ("args", "task", "task_args")
+    )
+    assert reads == [], f"{name} reads the argument dataclasses: {reads}"

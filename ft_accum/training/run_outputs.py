@@ -250,11 +250,12 @@ def log_evaluation(accelerator, epoch: int, step: int, metrics: dict[str, Any]) 
     accelerator.log(numbers, step=step)
 
 
-def write_results(accelerator, args, state, plan, train_seconds: float, **metrics: Any) -> dict[str, Any]:
+def write_results(
+    accelerator, state, plan, *, output_dir: str, learning_rate: float, train_seconds: float, **metrics: Any
+) -> dict[str, Any]:
     """all_results.json: the last evaluation plus the run's batch arithmetic, throughput and peak memory."""
     from ft_accum.training.memory import peak_memory_gb
 
-    output_dir, learning_rate = args.output_dir, args.scaled_learning_rate(state.effective_batch_size)
     results = {
         **metrics,
         "train_runtime": train_seconds,

@@ -170,3 +170,32 @@ def lora_settings(task_args):
     from ft_accum.models.lora import LoraSettings
 
     return LoraSettings(task_args.lora_r, task_args.lora_alpha, task_args.lora_dropout, task_args.lora_target_modules)
+
+
+def run_settings(args):
+    """A RunSettings (what RunTracker needs) from the shared arguments."""
+    from ft_accum.training.training_state import RunSettings
+
+    return RunSettings(
+        output_dir=args.output_dir,
+        checkpointing_steps=args.checkpointing_steps,
+        save_total_limit=args.save_total_limit,
+        max_consecutive_skipped_updates=args.max_consecutive_skipped_updates,
+        scaled_learning_rate=args.scaled_learning_rate,
+    )
+
+
+def start_or_resume(accelerator, model, args, plan):
+    """training_state.start_or_resume from the shared arguments: (state, run signature)."""
+    from ft_accum.training import training_state
+
+    return training_state.start_or_resume(
+        accelerator,
+        model,
+        plan,
+        seed=args.seed,
+        optim=args.optim,
+        accumulation_schedule=args.accumulation_schedule,
+        resume_from_checkpoint=args.resume_from_checkpoint,
+        output_dir=args.output_dir,
+    )

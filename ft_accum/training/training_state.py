@@ -12,7 +12,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from accelerate.utils import find_batch_size
@@ -103,7 +103,17 @@ class TrainingState:
         return cls(**{k: v for k, v in saved.items() if k in names} | {"last_checkpoint": checkpoint_name})
 
 
-def start_or_resume(accelerator, model, args, plan: BatchPlan) -> tuple[TrainingState, dict[str, Any]]:
+def start_or_resume(
+    accelerator,
+    model,
+    plan: BatchPlan,
+    *,
+    seed: int,
+    optim: str,
+    accumulation_schedule: str | None,
+    resume_from_checkpoint: str | None,
+    output_dir: str,
+) -> tuple[TrainingState, dict[str, Any]]:
     """(state, run signature): a fresh state, or the one of `--resume_from_checkpoint` after its model,
     optimizer, scheduler and RNG states are loaded. A checkpoint whose signature differs from this
     run's is refused (checkpointing.check_resume_signature); metrics.jsonl loses the lines of the
@@ -114,19 +124,17 @@ def start_or_resume(accelerator, model, args, plan: BatchPlan) -> tuple[Training
         per_device_train_batch_size=plan.micro,
         gradient_accumulation_steps=plan.accumulation,
         num_processes=plan.processes,
-        seed=args.seed,
-        optim=args.optim,
-        accumulation_schedule=args.accumulation_schedule,
+        seed=seed,
+        optim=optim,
+        accumulation_schedule=accumulation_schedule,
         mixed_precision=accelerator.mixed_precision,
     )
     state = TrainingState(effective_batch_size=plan.effective)
-    if args.resume_from_checkpoint:
-        saved = checkpointing.resume_training_state(
-            accelerator, args.resume_from_checkpoint, args.output_dir, signature
-        )
+    if resume_from_checkpoint:
+        saved = checkpointing.resume_training_state(accelerator, resume_from_checkpoint, output_dir, signature)
         state = TrainingState.from_checkpoint(saved, checkpointing.checkpoint_name(saved["step"]))
     if accelerator.is_main_process:
-        truncate_metrics(Path(args.output_dir), state.step)
+        truncate_metrics(Path(output_dir), state.step)
     return state, signature
 
 
@@ -223,6 +231,17 @@ def save_checkpoint(
 RESUME_COMMAND_FILE = "resume_command.txt"
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """What a run's bookkeeping needs of its arguments (run_setup.run_settings builds it)."""
+
+    output_dir: str
+    checkpointing_steps: Optional[int]
+    save_total_limit: Optional[int]
+    max_consecutive_skipped_updates: int
+    scaled_learning_rate: Callable[[int], float]  # the peak LR for an effective batch (--lr_scaling)
+
+
 class RunTracker:
     """What happens once per update besides the update itself: the counters, metrics.jsonl and the
     tracker, the progress bar, checkpoints, and the graceful stop; and the end of the run.
@@ -233,16 +252,23 @@ class RunTracker:
     """
 
     def __init__(
-        self, accelerator, args, state: TrainingState, signature: dict[str, Any], num_update_steps: int, stop=None
+        self,
+        accelerator,
+        settings: RunSettings,
+        state: TrainingState,
+        signature: dict[str, Any],
+        num_update_steps: int,
+        stop=None,
     ):
         from tqdm.auto import tqdm
 
-        self.accelerator, self.args, self.state, self.signature, self.stop = accelerator, args, state, signature, stop
+        self.accelerator, self.settings, self.state, self.signature = accelerator, settings, state, signature
+        self.stop = stop
         self.num_update_steps = num_update_steps
         self.clock = TrainClock(state.train_seconds)
         if stop is not None and accelerator.is_main_process:
             # Written at the start, so a run killed without warning (SIGKILL, power) has it too.
-            (Path(args.output_dir) / RESUME_COMMAND_FILE).write_text(stop.command + "\n")
+            (Path(settings.output_dir) / RESUME_COMMAND_FILE).write_text(stop.command + "\n")
         self.progress = tqdm(
             total=num_update_steps,
             initial=state.scheduler_steps,
@@ -262,18 +288,23 @@ class RunTracker:
     ) -> bool:
         """Count the update, log its record (`columns` are extra metrics.jsonl columns), checkpoint when due
         or when a signal asks to stop (which then ends the process). True after the last update."""
-        state, args = self.state, self.args
+        state, settings = self.state, self.settings
         skipped = self.accelerator.optimizer_step_was_skipped
-        state.complete_update(totals, plan, skipped, scheduler_steps, args.max_consecutive_skipped_updates)
+        state.complete_update(totals, plan, skipped, scheduler_steps, settings.max_consecutive_skipped_updates)
         record = state.record(
             totals, plan, float(lr_scheduler.get_last_lr()[0]), self.clock.lap(), batches_per_epoch, **columns
         )
-        log_update(self.accelerator, args.output_dir, record, self.progress, scheduler_steps)
+        log_update(self.accelerator, settings.output_dir, record, self.progress, scheduler_steps)
         stopping = self.stop is not None and self.stop.requested(self.accelerator)
-        if stopping or (args.checkpointing_steps and state.step % args.checkpointing_steps == 0):
+        if stopping or (settings.checkpointing_steps and state.step % settings.checkpointing_steps == 0):
             with self.clock.paused():
                 path = save_checkpoint(
-                    self.accelerator, args.output_dir, state, self.signature, args.save_total_limit, self.clock.total()
+                    self.accelerator,
+                    settings.output_dir,
+                    state,
+                    self.signature,
+                    settings.save_total_limit,
+                    self.clock.total(),
                 )
             if stopping:
                 self.stop.exit(self.accelerator, path)
@@ -289,8 +320,18 @@ class RunTracker:
         if self.stop is not None:
             self.stop.restore()
         train_seconds = self.clock.total()
-        save_final(self.accelerator, model, tokenizer, self.args.output_dir)
+        save_final(self.accelerator, model, tokenizer, self.settings.output_dir)
         extras = after_save() if after_save else {}
-        results = write_results(self.accelerator, self.args, self.state, plan, train_seconds, **metrics, **extras)
+        learning_rate = self.settings.scaled_learning_rate(self.state.effective_batch_size)
+        results = write_results(
+            self.accelerator,
+            self.state,
+            plan,
+            output_dir=self.settings.output_dir,
+            learning_rate=learning_rate,
+            train_seconds=train_seconds,
+            **metrics,
+            **extras,
+        )
         self.accelerator.end_training()
         return results
