@@ -44,20 +44,10 @@ from ft_accum.core.noise_scale import NoiseScaleMeter
 from ft_accum.data import data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.training import run_outputs, training_state
+from ft_accum.training import run_outputs, run_setup, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
-from ft_accum.training.run_setup import (
-    accumulation_scheduler,
-    build_accelerator,
-    build_optimizer,
-    load_splits,
-    lora_settings,
-    run_banner,
-    run_settings,
-    start_or_resume,
-)
 
 
 @dataclass
@@ -132,14 +122,8 @@ def build_model(task, args, accelerator):
     if task.use_lora:
         lora.import_peft()  # a missing peft fails before the model loads
     tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
-    model = loading.load_causal_lm(
-        name,
-        accelerator,
-        model_dtype=args.model_dtype,
-        torch_compile=args.torch_compile,
-        trust_remote_code=args.trust_remote_code,
-        frozen_base=task.use_lora,
-        load_in_4bit=task.load_in_4bit,
+    model = run_setup.load_causal_lm(
+        name, args, accelerator, frozen_base=task.use_lora, load_in_4bit=task.load_in_4bit
     )
     loading.check_context_length(model.config, task.block_size, "--block_size")
     if tokenizer.pad_token is None:
@@ -148,17 +132,12 @@ def build_model(task, args, accelerator):
         model.config.use_cache = False  # the cache is useless in training and conflicts with recomputation
         loading.enable_gradient_checkpointing(model)
     if task.use_lora:
-        model = lora.apply_lora(
-            model,
-            lora_settings(task),
-            gradient_checkpointing=args.gradient_checkpointing,
-            model_dtype=args.model_dtype,
-        )
+        model = run_setup.apply_lora(model, task, args)
     return model, tokenizer
 
 
 def load_raw_data(task, args):
-    raw = load_splits(
+    raw = run_setup.load_splits(
         task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_news(seed=seed).remove_columns("label")
     )
     raw = data_sources.check_columns(raw, text_column=task.text_column)
@@ -249,7 +228,7 @@ def save_extras(task, accelerator, model, tokenizer, output_dir):
 
 
 def train(task, args):
-    accelerator = build_accelerator(task, args, "causal_lm", loss_weighted_by="tokens")
+    accelerator = run_setup.build_accelerator(task, args, "causal_lm", loss_weighted_by="tokens")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
     offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
@@ -261,13 +240,13 @@ def train(task, args):
         tokenizer, model, task.model_name_or_path or "the bundled model", raw["train"][:64][task.text_column]
     )
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(task, args, accelerator, raw, tokenizer)
-    optimizer = build_optimizer(
+    optimizer = run_setup.build_optimizer(
         model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
     )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
@@ -279,16 +258,16 @@ def train(task, args):
         "loss": output_loss.path,
     }
     accelerator.print(
-        run_banner(
+        run_setup.run_banner(
             accelerator, args, plan, schedule.windows, mean_tokens, rows, "sequences", model=model, optimizer=optimizer
         )
     )
 
-    state, signature = start_or_resume(accelerator, model=model, args=args, plan=plan)
+    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="target tokens")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
     tracker = training_state.RunTracker(
-        accelerator, run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
     initial_eval = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
     accelerator.print(f"before training: eval_perplexity {initial_eval['eval_perplexity']:.2f}")
@@ -308,8 +287,7 @@ def train(task, args):
                 with accelerator.accumulate(model):
                     with offload:  # --offload_activations: what backward needs waits in host memory
                         loss_sum, num_tokens, sequences = training_step(model, batch, output_loss)
-                    # Rows Accelerate repeated so that every process steps together count for nothing.
-                    if is_padding:
+                    if is_padding:  # rows Accelerate repeated so every process steps together: they count for nothing
                         loss_sum, num_tokens, sequences = loss_sum * 0, 0, 0
                     window.add(loss_sum=loss_sum, items=num_tokens, samples=sequences, tokens=num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)

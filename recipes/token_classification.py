@@ -36,19 +36,10 @@ from ft_accum.core.noise_scale import NoiseScaleMeter
 from ft_accum.data import data_sources, offline_assets
 from ft_accum.data.metrics import load_metric
 from ft_accum.models import loading, low_memory
-from ft_accum.training import run_outputs, training_state
+from ft_accum.training import run_outputs, run_setup, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
-from ft_accum.training.run_setup import (
-    accumulation_scheduler,
-    build_accelerator,
-    build_optimizer,
-    load_splits,
-    run_banner,
-    run_settings,
-    start_or_resume,
-)
 
 
 @dataclass
@@ -120,7 +111,7 @@ def build_model(task, args, label_names):
 
 
 def load_raw_data(task, args):
-    raw = load_splits(
+    raw = run_setup.load_splits(
         task, seed=args.seed, bundled=lambda seed: offline_assets.load_punctuation_restoration(seed=seed)
     )
     label_column = task.label_column or data_sources.find_tags_column(raw["train"])
@@ -204,7 +195,7 @@ def evaluate_model(model, eval_dataloader, accelerator, seqeval, label_names):
 
 
 def train(task, args):
-    accelerator = build_accelerator(task, args, "token_classification", loss_weighted_by="tokens")
+    accelerator = run_setup.build_accelerator(task, args, "token_classification", loss_weighted_by="tokens")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
     offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
@@ -220,24 +211,26 @@ def train(task, args):
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(
         task, args, accelerator, raw, tokenizer, label_column, label_names
     )
-    optimizer = build_optimizer(
+    optimizer = run_setup.build_optimizer(
         model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
     )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     rows = {"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}", "tags": ", ".join(label_names)}
     accelerator.print(
-        run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, model=model, optimizer=optimizer)
+        run_setup.run_banner(
+            accelerator, args, plan, schedule.windows, mean_tokens, rows, model=model, optimizer=optimizer
+        )
     )
 
-    state, signature = start_or_resume(accelerator, model=model, args=args, plan=plan)
+    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="labelled tokens")
     oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
     tracker = training_state.RunTracker(
-        accelerator, run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
     seqeval = load_metric("seqeval")
     nominal_tokens = plan.micro * task.max_seq_length  # any constant works; this one keeps losses O(1)
@@ -256,8 +249,7 @@ def train(task, args):
                 with accelerator.accumulate(model):
                     with offload:  # --offload_activations: what backward needs waits in host memory
                         loss_sum, num_tokens, sequences = training_step(model, batch)
-                    # Rows Accelerate repeated so that every process steps together count for nothing.
-                    if is_padding:
+                    if is_padding:  # rows Accelerate repeated so every process steps together: they count for nothing
                         loss_sum, num_tokens, sequences = loss_sum * 0, 0, 0
                     window.add(loss_sum=loss_sum, items=num_tokens, samples=sequences, tokens=num_tokens)
                     accelerator.backward(loss_sum / nominal_tokens)

@@ -199,3 +199,30 @@ def start_or_resume(accelerator, model, args, plan):
         resume_from_checkpoint=args.resume_from_checkpoint,
         output_dir=args.output_dir,
     )
+
+
+def load_causal_lm(name: str, args, accelerator, *, frozen_base: bool, load_in_4bit: bool = False):
+    """models.loading.load_causal_lm with the shared arguments' --model_dtype, --torch_compile, --trust_remote_code."""
+    from ft_accum.models.loading import load_causal_lm as load
+
+    return load(
+        name,
+        accelerator,
+        model_dtype=args.model_dtype,
+        torch_compile=args.torch_compile,
+        trust_remote_code=args.trust_remote_code,
+        frozen_base=frozen_base,
+        load_in_4bit=load_in_4bit,
+    )
+
+
+def apply_lora(model, task_args, args):
+    """models.lora.apply_lora with a recipe's --lora_* flags, --gradient_checkpointing and --model_dtype."""
+    from ft_accum.models.lora import apply_lora as apply
+
+    return apply(
+        model,
+        lora_settings(task_args),
+        gradient_checkpointing=args.gradient_checkpointing,
+        model_dtype=args.model_dtype,
+    )
