@@ -57,8 +57,9 @@ def fsdp_command(config: Path, recipe: str, args: list[str], launcher: str = "ac
         if launcher == "accelerate"
         else [str(Path(sys.executable).parent / "ft-accum"), "launch"]
     )
+    # --config=none: these runs set what they rely on, not the recipe's shipped config (see ft_accum.testing).
     cmd = [*prefix, "--config_file", str(config), "--main_process_port", str(free_port()), str(RECIPES / f"{recipe}.py"),
-           *args]  # fmt: skip
+           "--config=none", *args]  # fmt: skip
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(FAULT_HOOKS),
            "FT_ACCUM_TEST_FSDP_ON_CPU": "1"}  # fmt: skip
     return cmd, env
