@@ -73,9 +73,10 @@ def run(recipe_path: Path, argv: list[str]) -> SystemExit | None:
 
 
 def final_weights(output_dir: Path) -> dict:
+    """The saved final weights: the model's, or a LoRA run's adapter."""
     from safetensors.torch import load_file
 
-    final = output_dir / "final"
+    final = Path(output_dir) / "final"
     adapter = final / "adapter_model.safetensors"
     return load_file(str(adapter if adapter.exists() else final / "model.safetensors"))
 

@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
+from ft_accum.cli.check import final_weights  # noqa: F401  (re-exported for tests, benchmarks)
 from ft_accum.training.run_setup import reset_accelerate_state  # noqa: F401  (re-exported for tests, benchmarks)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,13 +181,6 @@ def launch(name: str, args: list[str], num_processes: int = 1, check: bool = Tru
     if check and result.returncode != 0:
         raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
-
-
-def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
-    """The saved final weights: the model's, or a LoRA run's adapter."""
-    final = Path(output_dir) / "final"
-    adapter = final / "adapter_model.safetensors"
-    return load_file(str(adapter if adapter.exists() else final / "model.safetensors"))
 
 
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
