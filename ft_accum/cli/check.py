@@ -111,7 +111,9 @@ def check(recipe_path: Path, flags: list[str], rows: int = 20) -> list[Result]:
     work = Path(tempfile.mkdtemp(prefix="ft-accum-check-"))
     common = [*flags, "--optim", "sgd", "--max_grad_norm", "0", "--num_warmup_steps", "0", "--weight_decay", "0",
               "--lr_scaling", "none", "--num_train_epochs", "1", "--max_eval_samples", "8", "--max_train_samples",
-              str(rows), "--effective_batch_size", "8", "--report_to", "none", "--checkpointing_steps", "1"]  # fmt: skip
+              str(rows), "--effective_batch_size", "8", "--report_to", "none", "--checkpointing_steps", "1",
+              # the rows' own updates, not a config's max_train_steps (a checkpoint per update each)
+              "--max_train_steps", str(-(-rows // 8))]  # fmt: skip
     try:
         with modules_in_eval_mode():
             outcomes = {}

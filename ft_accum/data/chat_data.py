@@ -168,3 +168,74 @@ def collate_chats(pad_token_id: int, packed: bool):
         return batch
 
     return collate
+
+
+def to_turns(value, role: str) -> list:
+    """A prompt or response as turns: a string is one `role` turn, a list of turns (TRL's
+    conversational format) or its JSON text is taken as it is."""
+    if isinstance(value, str) and value.lstrip().startswith("[{"):
+        value = json.loads(value)
+    return [{"role": role, "content": value}] if isinstance(value, str) else list(value or [])
+
+
+def preference_conversations(row: dict, prompt_column: str, chosen_column: str, rejected_column: str, where: str):
+    """(prompt turns, chosen turns, rejected turns) of a TRL-format preference row, checked."""
+    prompt = to_turns(row[prompt_column], "user")
+    responses = [to_turns(row[column], "assistant") for column in (chosen_column, rejected_column)]
+    for column, turns in zip((chosen_column, rejected_column), responses):
+        check_messages(prompt + turns, f"{where} ({column})")
+        if not turns or turns[-1]["role"] != "assistant" or not turns[-1]["content"].strip():
+            raise ConfigError(
+                f"{where}: the {column!r} response is empty or not an assistant turn; every pair needs two "
+                "non-empty answers (drop the row, or fix it)"
+            )
+    return prompt, *responses
+
+
+@dataclass
+class TokenizedPairs:
+    rows: list[dict]  # chosen_input_ids, chosen_labels, rejected_input_ids, rejected_labels
+    truncated: int  # pairs with a sequence cut at max_length
+    dropped: int  # of those, pairs left with no response token in one of them
+
+
+def response_labels(tokenizer, prompt: list, response: list) -> tuple[list[int], list[int]]:
+    """(ids of prompt + response, labels that are the response's tokens and -100 elsewhere)."""
+    ids, mask = assistant_mask(tokenizer, prompt + response)
+    prompt_length = len(render_ids(tokenizer, prompt, add_generation_prompt=True))
+    # An assistant turn inside the prompt (a multi-turn prompt) is context, not what is preferred.
+    return ids, [t if is_answer and i >= prompt_length else -100 for i, (t, is_answer) in enumerate(zip(ids, mask))]
+
+
+def tokenize_pairs(tokenizer, pairs: list[tuple[list, list, list]], max_length: int) -> TokenizedPairs:
+    """Token ids and response-only labels of each pair's two conversations, cut at `max_length`
+    tokens (counted); a pair that keeps no response token in one of them is dropped (counted)."""
+    rows, truncated, dropped = [], 0, 0
+    for prompt, chosen, rejected in pairs:
+        row, cut = {}, False
+        for name, response in (("chosen", chosen), ("rejected", rejected)):
+            ids, labels = response_labels(tokenizer, prompt, response)
+            cut |= len(ids) > max_length
+            row[f"{name}_input_ids"], row[f"{name}_labels"] = ids[:max_length], labels[:max_length]
+        truncated += cut
+        if any(all(label == -100 for label in row[f"{n}_labels"][1:]) for n in ("chosen", "rejected")):
+            dropped += 1
+            continue
+        rows.append(row)
+    return TokenizedPairs(rows, truncated, dropped)
+
+
+def collate_pairs(pad_token_id: int):
+    """A micro-batch of B pairs: `chosen_*` and `rejected_*` input_ids, attention_mask and labels, B
+    rows each, padded to one length (the forward runs them as 2B rows). One row per pair, so the
+    cut of Accelerate's repeated rows (training_state.take_rows) cuts whole pairs."""
+    collate_rows = collate_chats(pad_token_id, packed=False)
+
+    def collate(pairs: list[dict]) -> dict:
+        rows = [{"input_ids": p[f"{n}_input_ids"], "labels": p[f"{n}_labels"]} for n in ("chosen", "rejected")
+                for p in pairs]  # fmt: skip
+        both = collate_rows(rows)
+        return {f"{n}_{k}": v[i * len(pairs) : (i + 1) * len(pairs)] for k, v in both.items()
+                for i, n in enumerate(("chosen", "rejected"))}  # fmt: skip
+
+    return collate

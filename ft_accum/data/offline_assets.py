@@ -311,3 +311,35 @@ def load_bbc_instructions(seed: int = 42, body_words: int = 50) -> datasets.Data
 
     news = load_bbc_news(seed=seed)
     return news.map(to_messages, batched=True, remove_columns=news["train"].column_names)
+
+
+def load_bbc_preferences(seed: int = 42, body_words: int = 50) -> datasets.DatasetDict:
+    """BBC News as preference pairs, offline: `prompt`, `chosen` and `rejected` strings (TRL's format).
+
+    The prompts are `load_bbc_instructions`'s two questions per article. For the topic question the
+    true topic is chosen and another topic, drawn with `seed`, rejected; for the headline question
+    the article's own headline is chosen and the headline of another article of the same split
+    rejected. So responses range from one word to a dozen, and the split is `load_bbc_news`'s.
+    """
+    import random
+
+    rng = random.Random(seed)
+
+    def to_pairs(rows):
+        pairs = {"prompt": [], "chosen": [], "rejected": []}
+        titles = [title_and_body(text)[0] for text in rows["text"]]
+        for i, (text, label) in enumerate(zip(rows["text"], rows["label"])):
+            excerpt = " ".join(title_and_body(text)[1][:body_words])
+            wrong_topic = rng.choice([t for k, t in enumerate(BBC_TOPICS) if k != label])
+            other_title = titles[(i + 1 + rng.randrange(len(titles) - 1)) % len(titles)]
+            for question, chosen, rejected in (
+                (TOPIC_QUESTION, BBC_TOPICS[label], wrong_topic),
+                (HEADLINE_QUESTION, titles[i], other_title),
+            ):
+                pairs["prompt"].append(f"{question}\n\n{excerpt}")
+                pairs["chosen"].append(chosen)
+                pairs["rejected"].append(rejected)
+        return pairs
+
+    news = load_bbc_news(seed=seed)
+    return news.map(to_pairs, batched=True, batch_size=None, remove_columns=news["train"].column_names)

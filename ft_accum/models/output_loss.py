@@ -200,6 +200,16 @@ class OutputLoss:
     @torch.no_grad()
     def per_row(self, model, labels: torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's (summed loss, target count), for evaluation: no (batch × length × vocab) tensor either."""
+        return self._rows(model, labels, inputs)
+
+    def rows(self, model, labels: torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's (summed loss, target count), differentiable: a preference loss needs every
+        sequence's own log-probability (its negative summed loss)."""
+        if not self.checked:
+            self.check_against_logits(model, labels, inputs)
+        return self._rows(model, labels, inputs)
+
+    def _rows(self, model, labels: torch.Tensor, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.chunked:
             logits = model(**inputs).logits
             rows = [self._full_logits_loss(logits[i : i + 1], labels[i : i + 1]) for i in range(len(labels))]

@@ -221,6 +221,28 @@ def make_conversations(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def make_preference_pairs(n: int, seed: int) -> list[dict]:
+    """(prompt, chosen, rejected) rows in TRL's format whose responses differ 5× and more in length:
+    a one-word answer against 20–40 words, in both orders, some prompts as two-turn conversations."""
+    rng = random.Random(seed)
+    words = COMMON + [w for ws in TOPICS.values() for w in ws]
+
+    def say(low, high):
+        return " ".join(rng.choice(words) for _ in range(rng.randint(low, high)))
+
+    rows = []
+    for i in range(n):
+        short, long = rng.choice(list(TOPICS)), say(20, 40)
+        chosen, rejected = (short, long) if i % 2 == 0 else (long, short)
+        prompt = say(3, 12)
+        if i % 3 == 0:  # TRL's conversational format: lists of turns
+            prompt = [{"role": "user", "content": prompt}, {"role": "assistant", "content": say(1, 3)},
+                      {"role": "user", "content": say(2, 6)}]  # fmt: skip
+            chosen, rejected = [{"role": "assistant", "content": chosen}], [{"role": "assistant", "content": rejected}]
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return rows
+
+
 def make_tiny_chat_lm(path: Path, width: int = 32) -> Path:
     """A 2-layer, `width`-wide Llama with SmolLM2-135M-Instruct's real tokenizer and chat template (bundled, offline)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM

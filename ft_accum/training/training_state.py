@@ -182,6 +182,37 @@ def remaining_batches(accelerator, train_dataloader, state: TrainingState, plan:
         yield (batch, True) if real == 0 else (take_rows(batch, real), False)
 
 
+def remaining_batches_with_window_totals(accelerator, train_dataloader, state: TrainingState, plan: BatchPlan, count):
+    """`remaining_batches`, each as (batch, is_padding, window_totals): `window_totals` is the sum of
+    `count(batch)` (a 1-D tensor) over the window's real micro-batches on all processes, known
+    before the window's first forward.
+
+    For a loss with two normalisers (ORPO: a mean over pairs plus a mean over chosen tokens), one
+    rescale at the sync step cannot be exact; each micro-batch must weigh its terms by the window's
+    totals. So the window's micro-batches are fetched first (token ids only, in host memory) and
+    their counts all-reduced once. Accelerate's prepared loader marks its last batch when it is
+    fetched (`end_of_dataloader`, which `accumulate()` reads to sync a short last window), so that
+    public flag is replayed as it was at each fetch. The window is `plan.accumulation` micro-batches
+    (the last one shorter): an accumulation schedule, which sizes a window at its start, does not mix.
+    """
+    stream = remaining_batches(accelerator, train_dataloader, state, plan)
+    left = len(train_dataloader) - state.epoch_samples // plan.micro
+    while left > 0:
+        window = []
+        for _ in range(min(plan.accumulation, left)):  # never past the last batch: that would end the loader
+            batch, is_padding = next(stream)
+            window.append((batch, is_padding, accelerator.gradient_state.end_of_dataloader))
+        left -= len(window)
+        totals = sum(count(batch) * (not is_padding) for batch, is_padding, _ in window)
+        totals = accelerator.reduce(totals.to(accelerator.device, torch.float64), reduction="sum")
+        loader = accelerator.gradient_state.active_dataloader
+        for batch, is_padding, at_end in window:
+            loader.end_of_dataloader = at_end
+            yield batch, is_padding, totals
+    for _ in stream:  # exhaust it, so that the loader ends its epoch
+        raise RuntimeError("remaining_batches_with_window_totals: more batches than the loader's length")
+
+
 class TrainClock:
     """Training seconds, with evaluation and checkpoint saving left out (`paused`), and the
     seconds of each update (`lap`) for the throughput columns of metrics.jsonl."""

