@@ -59,6 +59,34 @@ def modules_in_eval_mode():
         torch.nn.Module.train = train
 
 
+@contextlib.contextmanager
+def first_layers_only(num_layers: int | None):
+    """Every transformers model built in this block keeps only its first `num_layers` layers (of
+    each stack: an encoder-decoder's encoder and decoder). The checked arithmetic is the loop's,
+    which one layer exercises as well as thirty; the weights load for the layers kept."""
+    if not num_layers:
+        yield
+        return
+    from transformers import PreTrainedModel
+
+    init = PreTrainedModel.__init__
+
+    def shrink(self, config, *args, **kwargs):
+        # Model classes call this first, then build config.num_hidden_layers layers (T5: num_layers).
+        for name in ("num_hidden_layers", "num_layers", "num_decoder_layers"):
+            if isinstance(getattr(config, name, None), int) and getattr(config, name) > num_layers:
+                setattr(config, name, num_layers)
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:num_layers]
+        init(self, config, *args, **kwargs)
+
+    PreTrainedModel.__init__ = shrink
+    try:
+        yield
+    finally:
+        PreTrainedModel.__init__ = init
+
+
 def run(recipe_path: Path, argv: list[str]) -> SystemExit | None:
     """One in-process run of the recipe (a fresh module and Accelerate state each time)."""
     from ft_accum.training.run_setup import reset_accelerate_state
@@ -96,7 +124,7 @@ def largest_relative_difference(ours: list[dict], theirs: list[dict], key: str) 
     return max(abs(a[key] - b[key]) / max(abs(b[key]), 1e-12) for a, b in zip(ours, theirs))
 
 
-def check(recipe_path: Path, flags: list[str], rows: int = 20) -> list[Result]:
+def check(recipe_path: Path, flags: list[str], rows: int = 20, num_layers: int | None = None) -> list[Result]:
     results = []
     failed = run(recipe_path, ["--no_such_flag_for_the_check=1"])
     message = str(failed.code) if failed else ""
@@ -115,7 +143,7 @@ def check(recipe_path: Path, flags: list[str], rows: int = 20) -> list[Result]:
               # the rows' own updates, not a config's max_train_steps (a checkpoint per update each)
               "--max_train_steps", str(-(-rows // 8))]  # fmt: skip
     try:
-        with modules_in_eval_mode():
+        with modules_in_eval_mode(), first_layers_only(num_layers):
             outcomes = {}
             for name, micro in (("8x1", 8), ("2x4", 2)):
                 outcomes[name] = run(recipe_path, [*common, "--per_device_train_batch_size", str(micro),
@@ -180,16 +208,22 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="ft-accum check",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
-        usage="ft-accum check recipes/my_recipe.py [--rows N] [recipe flags]",
+        usage="ft-accum check recipes/my_recipe.py [--rows N] [--num_layers N] [recipe flags]",
     )
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--rows", type=int, default=20, help="training rows for the runs (default 20: 8 + 8 + 4)")
+    parser.add_argument(
+        "--num_layers",
+        type=int,
+        default=None,
+        help="keep only the first N layers of each transformers model (faster; the loop is checked the same)",
+    )
     options, flags = parser.parse_known_args(argv)
     if not options.recipe.is_file():
         raise SystemExit(
             f"error: {options.recipe} does not exist; pass a recipe file, e.g. recipes/text_classification.py"
         )
-    results = check(options.recipe, flags, options.rows)
+    results = check(options.recipe, flags, options.rows, options.num_layers)
     print(f"ft-accum check {options.recipe}")
     print(format_table(results))
     failed = [r for r in results if not r.passed]
