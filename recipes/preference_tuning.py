@@ -146,6 +146,11 @@ def pair_counts(batch):
     return torch.stack([chosen_tokens.new_tensor(pairs), chosen_tokens]).double()
 
 
+def num_tokens(batch):
+    """The micro-batch's non-padding tokens, chosen and rejected sequences together."""
+    return batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum()
+
+
 def forward_pairs(task, model, batch, output_loss, reference=None, reference_loss=None):
     """The micro-batch's `PairTerms`: the policy's and (DPO) the reference's response log-probs.
     DPO's reference is `reference` (a frozen copy, with its own `reference_loss`), or else the
@@ -200,6 +205,31 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, reference=N
     }
 
 
+def banner_rows(task, model, tokenized, log_probs_path: str) -> dict:
+    """The banner's lines about the loss, its reference and the data."""
+    train_pairs = tokenized["train"]
+    reference = "none (reference-free)"
+    if task.loss == "dpo":
+        reference = "the policy with its LoRA adapters off (no second copy)" if task.use_lora else "a frozen copy"
+    return {
+        "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None),
+        "loss": f"{task.loss} (β {task.beta:g}" + (f", γ {task.simpo_gamma:g})" if task.loss == "simpo" else ")"),
+        "reference": reference,
+        "pairs": f"{len(train_pairs.rows)} train / {len(tokenized['validation'].rows)} eval",
+        "truncated": f"{train_pairs.truncated} train pairs cut to {task.max_seq_length} tokens"
+        + (f", {train_pairs.dropped} dropped (no response token left)" if train_pairs.dropped else ""),
+        "log-probs": log_probs_path,
+    }
+
+
+def reward_columns(accelerator, rewards: torch.Tensor) -> dict:
+    """metrics.jsonl's reward columns: means over the window's pairs on all processes. Empties `rewards`."""
+    chosen, rejected, correct, pairs = accelerator.reduce(rewards, reduction="sum").tolist()
+    rewards.zero_()
+    return {"rewards_chosen": chosen / pairs, "rewards_rejected": rejected / pairs,
+            "reward_accuracy": correct / pairs, "reward_margin": (chosen - rejected) / pairs}  # fmt: skip
+
+
 def train(task, args):
     if args.accumulation_schedule:
         raise ConfigError(
@@ -239,17 +269,7 @@ def train(task, args):
     reference_loss = None if reference is None else OutputLoss(reference, shift=True, enabled=task.chunked_loss)
     train_pairs = tokenized["train"]
     mean_tokens = sum(len(r["chosen_input_ids"]) + len(r["rejected_input_ids"]) for r in train_pairs.rows)
-    reference_line = ("the policy with its LoRA adapters off (no second copy)" if task.use_lora
-                      else "a frozen copy of the starting weights") if task.loss == "dpo" else "none (reference-free)"  # fmt: skip
-    rows = {
-        "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None),
-        "loss": f"{task.loss} (β {task.beta:g}" + (f", γ {task.simpo_gamma:g})" if task.loss == "simpo" else ")"),
-        "reference": reference_line,
-        "pairs": f"{len(train_pairs.rows)} train / {len(tokenized['validation'].rows)} eval",
-        "truncated": f"{train_pairs.truncated} train pairs cut to {task.max_seq_length} tokens"
-        + (f", {train_pairs.dropped} dropped (no response token left)" if train_pairs.dropped else ""),
-        "log-probs": output_loss.path,
-    }
+    rows = banner_rows(task, model, tokenized, output_loss.path)
     banner = run_setup.run_banner(accelerator, args, plan, schedule.windows, mean_tokens / len(train_pairs.rows),
                                   rows, "pairs", model=model, optimizer=optimizer)  # fmt: skip
     accelerator.print(banner)
@@ -279,24 +299,11 @@ def train(task, args):
                     # ORPO's NLL is a mean over the window's chosen tokens, its odds-ratio term a mean over
                     # pairs: weighing the NLL by pairs / tokens makes the window's pair mean exact for both.
                     loss_sum = terms.loss_sum + terms.nll_sum * (window_pairs / window_chosen_tokens)
-                    pairs = len(batch["chosen_input_ids"])
+                    pairs, tokens = len(batch["chosen_input_ids"]), num_tokens(batch)
                     if is_padding:  # rows Accelerate repeated so every process steps together: they count for nothing
-                        loss_sum, pairs = loss_sum * 0, 0
-                    window.add(
-                        loss_sum=loss_sum,
-                        items=pairs,
-                        samples=pairs,
-                        tokens=(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
-                        * bool(pairs),
-                    )
-                    rewards += torch.stack(
-                        [
-                            terms.chosen_rewards.sum(),
-                            terms.rejected_rewards.sum(),
-                            terms.correct,
-                            terms.correct.new_tensor(pairs),
-                        ]
-                    ).double() * bool(pairs)
+                        loss_sum, pairs, tokens = loss_sum * 0, 0, 0
+                    window.add(loss_sum=loss_sum, items=pairs, samples=pairs, tokens=tokens)
+                    rewards += terms.reward_sums() * bool(pairs)
                     accelerator.backward(loss_sum / nominal_pairs)
                     if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the window's pairs
                         totals = window.finish(accelerator, model, plan, nominal_pairs, args.max_grad_norm, state)
@@ -308,10 +315,7 @@ def train(task, args):
                 break
 
             if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
-                chosen, rejected, correct, counted = accelerator.reduce(rewards, reduction="sum").tolist()
-                rewards.zero_()
-                columns = {"rewards_chosen": chosen / counted, "rewards_rejected": rejected / counted,
-                           "reward_accuracy": correct / counted, "reward_margin": (chosen - rejected) / counted}  # fmt: skip
+                columns = reward_columns(accelerator, rewards)
                 if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), **columns):
                     break
         if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update

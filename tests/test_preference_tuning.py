@@ -64,7 +64,10 @@ def test_response_labels_cover_the_response_only_even_after_an_assistant_turn_in
     ({"prompt": "q", "chosen": "yes", "rejected": "  "}, "empty"),
 ])  # fmt: skip
 def test_a_malformed_pair_is_one_error_line(tmp_path, chat_lm_dir, row, words):
-    files = {"train": write_jsonl(tmp_path / "t.jsonl", [row] * 4), "validation": write_jsonl(tmp_path / "v.jsonl", [row])}
+    files = {
+        "train": write_jsonl(tmp_path / "t.jsonl", [row] * 4),
+        "validation": write_jsonl(tmp_path / "v.jsonl", [row]),
+    }
     with pytest.raises(SystemExit) as exc:
         run_in_process("preference_tuning", preference_args(chat_lm_dir, files, tmp_path / "out", "dpo", False, 2, 1))
     message = str(exc.value.code)
@@ -94,7 +97,9 @@ def test_split_windows_equal_the_full_batch(tmp_path, chat_lm_dir, pair_files, l
     runs = {}
     for micro, accumulation in ((8, 1), (2, 4)):
         out = tmp_path / f"{micro}x{accumulation}"
-        run_in_process("preference_tuning", preference_args(chat_lm_dir, pair_files, out, loss, use_lora, micro, accumulation))
+        run_in_process(
+            "preference_tuning", preference_args(chat_lm_dir, pair_files, out, loss, use_lora, micro, accumulation)
+        )
         runs[micro, accumulation] = (final_weights(out), read_metrics(out))
     (full, full_metrics) = runs[8, 1]
     assert [m["samples_seen"] for m in full_metrics] == [8, 13, 21, 26]
@@ -118,7 +123,9 @@ def test_lora_dpo_starts_at_ln2_with_one_copy_of_the_model(tmp_path, chat_lm_dir
 
     built, copied = [], []
     init, deepcopy = PreTrainedModel.__init__, copy.deepcopy
-    monkeypatch.setattr(PreTrainedModel, "__init__", lambda self, *a, **k: (built.append(type(self).__name__), init(self, *a, **k))[1])
+    monkeypatch.setattr(
+        PreTrainedModel, "__init__", lambda self, *a, **k: (built.append(type(self).__name__), init(self, *a, **k))[1]
+    )
     monkeypatch.setattr(copy, "deepcopy", lambda x, *a: (copied.append(type(x).__name__), deepcopy(x, *a))[1])
     out = tmp_path / "lora"
     results = run_in_process("preference_tuning", preference_args(chat_lm_dir, pair_files, out, "dpo", True, 4, 2))
@@ -129,7 +136,9 @@ def test_lora_dpo_starts_at_ln2_with_one_copy_of_the_model(tmp_path, chat_lm_dir
 
     # Full fine-tuning keeps a frozen copy, and says so: the same count would catch it.
     built.clear()
-    run_in_process("preference_tuning", preference_args(chat_lm_dir, pair_files, tmp_path / "full", "dpo", False, 4, 2))
+    run_in_process(
+        "preference_tuning", preference_args(chat_lm_dir, pair_files, tmp_path / "full", "dpo", False, 4, 2)
+    )
     assert models(built) == ["LlamaForCausalLM"] and models(copied) == ["LlamaForCausalLM"]
 
 
@@ -141,7 +150,9 @@ def test_two_ddp_processes_on_uneven_rows_equal_one(tmp_path, chat_lm_dir, pair_
     single = tmp_path / "single"
     run_in_process("preference_tuning", preference_args(chat_lm_dir, pair_files, single, loss, use_lora, 8, 1))
     ddp = tmp_path / "ddp"
-    result = launch("preference_tuning", preference_args(chat_lm_dir, pair_files, ddp, loss, use_lora, 2, 2), num_processes=2)
+    result = launch(
+        "preference_tuning", preference_args(chat_lm_dir, pair_files, ddp, loss, use_lora, 2, 2), num_processes=2
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 processes" in result.stdout, result.stdout[-2000:]
     full, split = read_metrics(single), read_metrics(ddp)

@@ -57,6 +57,11 @@ class PairTerms:
         """Pairs whose chosen reward beats the rejected one."""
         return (self.chosen_rewards > self.rejected_rewards).sum()
 
+    def reward_sums(self) -> torch.Tensor:
+        """[Σ chosen rewards, Σ rejected rewards, correct pairs, pairs], float64: what a window adds up."""
+        pairs = self.chosen_rewards.new_tensor(len(self.chosen_rewards))
+        return torch.stack([self.chosen_rewards.sum(), self.rejected_rewards.sum(), self.correct, pairs]).double()
+
 
 def pair_terms(
     loss: str,

