@@ -87,6 +87,8 @@ class TaskArguments:
         self.beta = DEFAULT_BETA[self.loss] if self.beta is None else self.beta
         if self.beta <= 0:
             raise ConfigError(f"--beta must be > 0, got {self.beta}")
+        if self.simpo_gamma < 0:
+            raise ConfigError(f"--simpo_gamma is a target margin, ≥ 0; got {self.simpo_gamma}")
         for name in ("max_seq_length", "lora_r", "lora_alpha"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
