@@ -161,3 +161,36 @@ def test_two_ddp_processes_on_uneven_rows_equal_one(tmp_path, chat_lm_dir, pair_
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=RTOL)
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL)
     assert relative_error(final_weights(ddp), final_weights(single)) <= RTOL
+
+
+def test_window_totals_are_known_before_the_window_and_the_short_last_window_still_syncs_once():
+    """The look-ahead replays Accelerate's `end_of_dataloader` flag: on 14 rows at 2 × 4, the
+    windows hold 4 and 3 micro-batches, `accumulate()` syncs at exactly the 4th and the 7th (without
+    the replay, at each of the last 3, which the loader marks as its end once they are fetched), and
+    each micro-batch sees its window's total before its forward. Fails if an Accelerate upgrade
+    changes how `accumulate()` learns the end of the loader."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from ft_accum.core.batch_arithmetic import BatchPlan, apply_batch_plan
+    from ft_accum.testing import reset_accelerate_state
+    from ft_accum.training.training_state import TrainingState, remaining_batches_with_window_totals
+
+    try:
+        accelerator = Accelerator(cpu=True)
+        plan = apply_batch_plan(accelerator, BatchPlan(micro=2, accumulation=4, processes=1))
+        model = torch.nn.Linear(1, 1)
+        loader = DataLoader([{"x": torch.tensor([float(i)])} for i in range(14)], batch_size=2)
+        model, loader = accelerator.prepare(model, loader)
+        state = TrainingState(effective_batch_size=8)
+        seen = []
+        for epoch in range(2):  # the second epoch checks that the loader ended the first one cleanly
+            state.epoch = epoch
+            count = lambda batch: torch.tensor([float(len(batch["x"]))])  # noqa: E731
+            for batch, _, totals in remaining_batches_with_window_totals(accelerator, loader, state, plan, count):
+                with accelerator.accumulate(model):
+                    seen.append((len(batch["x"]), float(totals[0]), accelerator.sync_gradients))
+        first, last = [(2, 8.0, False)] * 3 + [(2, 8.0, True)], [(2, 6.0, False)] * 2 + [(2, 6.0, True)]
+        assert seen == (first + last) * 2, seen
+    finally:
+        reset_accelerate_state()
