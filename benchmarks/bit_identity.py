@@ -26,8 +26,9 @@ FLAGS = ["--max_train_samples", "16", "--max_eval_samples", "8", "--num_train_ep
 
 
 def run_recipe(tree: Path, recipe: str, output_dir: Path) -> None:
-    command = [sys.executable, str(tree / "recipes" / f"{recipe}.py"), "--config",
-               str(tree / "recipes" / "configs" / f"{recipe}.yaml"), *FLAGS, "--output_dir", str(output_dir)]  # fmt: skip
+    config = tree / "recipes" / "configs" / f"{recipe}.yaml"
+    command = [sys.executable, str(tree / "recipes" / f"{recipe}.py"), "--config", str(config), *FLAGS,
+               "--output_dir", str(output_dir)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(tree), "ACCELERATE_USE_CPU": "true", "ACCELERATE_MIXED_PRECISION": "no"}
     result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     if result.returncode:

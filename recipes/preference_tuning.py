@@ -153,7 +153,7 @@ def num_tokens(batch):
     return batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum()
 
 
-def forward_pairs(task, model, batch, output_loss, reference=None, reference_loss=None):
+def forward_pairs(task, accelerator, model, batch, output_loss, reference=None, reference_loss=None):
     """The micro-batch's `PairTerms`: the policy's and (DPO) the reference's response log-probs.
     DPO's reference is `reference` (a frozen copy, with its own `reference_loss`), or else the
     policy with its LoRA adapters off."""
@@ -166,7 +166,7 @@ def forward_pairs(task, model, batch, output_loss, reference=None, reference_los
     reference_logps = (None, None)
     if task.loss == "dpo":
         if reference is None:
-            with unwrapped(model).disable_adapter():
+            with accelerator.unwrap_model(model).disable_adapter():
                 reference_nll, _ = output_loss.per_row(model, both["labels"], **inputs)
         else:
             reference_nll, _ = reference_loss.per_row(reference, both["labels"], **inputs)
@@ -177,11 +177,6 @@ def forward_pairs(task, model, batch, output_loss, reference=None, reference_los
     )  # fmt: skip
 
 
-def unwrapped(model):
-    """The peft model under a DDP wrapper: its `disable_adapter()` gives the reference."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
 @torch.no_grad()
 def evaluate(task, model, eval_dataloader, accelerator, output_loss, reference=None, reference_loss=None):
     """The loss, reward accuracy and reward margin over the validation pairs: exact means over pairs
@@ -189,7 +184,7 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, reference=N
     model.eval()
     columns = []  # per pair: loss term, chosen NLL, chosen tokens, chosen reward, rejected reward
     for batch in eval_dataloader:
-        terms = forward_pairs(task, model, batch, output_loss, reference, reference_loss)
+        terms = forward_pairs(task, accelerator, model, batch, output_loss, reference, reference_loss)
         per_pair = [
             terms.pair_losses,
             terms.chosen_nll,
@@ -292,12 +287,13 @@ def train(task, args):
     while state.epoch < schedule.num_epochs:
         window = AccumulationWindow(accelerator.device)
         rewards = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # chosen, rejected, correct, pairs
-        for batch, is_padding, (window_pairs, window_chosen_tokens) in training_state.remaining_batches_with_window_totals(
+        batches = training_state.remaining_batches_with_window_totals(
             accelerator, train_dataloader, state, plan, count=pair_counts
-        ):  # fmt: skip
+        )
+        for batch, is_padding, (window_pairs, window_chosen_tokens) in batches:
             try:
                 with accelerator.accumulate(model):
-                    terms = forward_pairs(task, model, batch, output_loss, reference, reference_loss)
+                    terms = forward_pairs(task, accelerator, model, batch, output_loss, reference, reference_loss)
                     # ORPO's NLL is a mean over the window's chosen tokens, its odds-ratio term a mean over
                     # pairs: weighing the NLL by pairs / tokens makes the window's pair mean exact for both.
                     loss_sum = terms.loss_sum + terms.nll_sum * (window_pairs / window_chosen_tokens)

@@ -26,6 +26,7 @@ from ft_accum.testing import (  # noqa: F401  (re-exported for the test modules)
     make_documents,
     make_rows,
     make_tiny_bert,
+    make_tiny_chat_lm,
     make_tiny_lm,
     max_abs_difference,
     read_metrics,
@@ -72,6 +73,12 @@ def tiny_gpt2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return make_tiny_lm("llama", tmp_path_factory.mktemp("tiny-llama-recipe"))
+
+
+@pytest.fixture(scope="session")
+def chat_lm_dir(tmp_path_factory) -> Path:
+    """A tiny Llama with SmolLM2-135M-Instruct's real tokenizer and chat template."""
+    return make_tiny_chat_lm(tmp_path_factory.mktemp("tiny-chat-lm"))
 
 
 @pytest.fixture(scope="session")

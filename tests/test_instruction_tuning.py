@@ -17,7 +17,6 @@ from ft_accum.models.output_loss import OutputLoss
 from ft_accum.testing import (
     final_weights,
     make_conversations,
-    make_tiny_chat_lm,
     relative_error,
     reset_accelerate_state,
 )
@@ -29,11 +28,6 @@ CONVERSATION = [
     {"role": "user", "content": "And a headline?"},
     {"role": "assistant", "content": "Late goal wins the cup final"},
 ]
-
-
-@pytest.fixture(scope="module")
-def chat_lm_dir(tmp_path_factory):
-    return make_tiny_chat_lm(tmp_path_factory.mktemp("tiny-chat-lm"))
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,9 @@ from conftest import RTOL, launch, read_metrics, run_in_process, write_jsonl
 
 from ft_accum.core.preference_loss import pair_terms
 from ft_accum.data import chat_data
-from ft_accum.testing import final_weights, make_preference_pairs, make_tiny_chat_lm, relative_error
+from ft_accum.testing import final_weights, make_preference_pairs, relative_error
 
 VARIANTS = [("dpo", True), ("dpo", False), ("simpo", True), ("simpo", False), ("orpo", True), ("orpo", False)]
-
-
-@pytest.fixture(scope="module")
-def chat_lm_dir(tmp_path_factory):
-    return make_tiny_chat_lm(tmp_path_factory.mktemp("tiny-chat-lm"))
 
 
 @pytest.fixture(scope="module")

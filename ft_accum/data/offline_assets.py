@@ -331,9 +331,10 @@ def load_bbc_preferences(seed: int = 42, body_words: int = 50) -> datasets.Datas
 
     def to_pairs(rows):
         pairs = {"prompt": [], "chosen": [], "rejected": []}
-        titles = [title_and_body(text)[0] for text in rows["text"]]
-        for i, (text, label) in enumerate(zip(rows["text"], rows["label"])):
-            excerpt = " ".join(title_and_body(text)[1][:body_words])
+        articles = [title_and_body(text) for text in rows["text"]]
+        titles = [title for title, _ in articles]
+        for i, ((_, words), label) in enumerate(zip(articles, rows["label"])):
+            excerpt = " ".join(words[:body_words])
             wrong_topic = rng.choice([t for k, t in enumerate(BBC_TOPICS) if k != label])
             other_title = titles[(i + 1 + rng.randrange(len(titles) - 1)) % len(titles)]
             for question, chosen, rejected in (
