@@ -16,7 +16,8 @@ The settings that matter:
 - --effective_batch_size (or --gradient_accumulation_steps) in sequences; --block_size tokens each.
 - --packing concatenates documents and cuts them into full blocks (no padding); without it each
   document is truncated to --block_size and padded per micro-batch.
-- --use_lora (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules) needs peft;
+- --use_lora (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules) needs peft; its
+  variants: --use_rslora, --use_dora, --loraplus_lr_ratio (LoRA+).
   --gradient_checkpointing trades ~30% speed for activation memory and works with LoRA.
 - --load_in_4bit (with --use_lora) is QLoRA, a frozen NF4 base; --optim adamw_8bit keeps 8-bit AdamW
   states; both need the [lowmem] extra (docs/low_memory.md).
@@ -45,13 +46,13 @@ from ft_accum.data import data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
 from ft_accum.training import run_outputs, run_setup, training_state
-from ft_accum.training.arguments import run_main
+from ft_accum.training.arguments import LoraArguments, run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
 
 
 @dataclass
-class TaskArguments:
+class TaskArguments(LoraArguments):
     model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "Local dir or hub name. Default: the bundled SmolLM2-135M-Instruct (offline)."}
     )
@@ -69,15 +70,6 @@ class TaskArguments:
     )
     packing: bool = field(
         default=False, metadata={"help": "Concatenate documents and cut full blocks instead of padding."}
-    )
-    use_lora: bool = field(
-        default=False, metadata={"help": "Train a LoRA adapter instead of all weights (needs peft)."}
-    )
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
-    lora_target_modules: str = field(
-        default="all-linear", metadata={"help": "Comma-separated module names, or all-linear."}
     )
     merge_lora: bool = field(
         default=False, metadata={"help": "Also save the base model with the adapter merged into final_merged/."}
@@ -97,13 +89,11 @@ class TaskArguments:
     max_new_tokens: int = field(default=40, metadata={"help": "Length of that continuation."})
 
     def __post_init__(self):
+        super().__post_init__()
         if self.block_size < 2:
             raise ConfigError(f"--block_size must be ≥ 2 (one input and one target token), got {self.block_size}")
-        for name in ("lora_r", "lora_alpha", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
-        if not 0 <= self.lora_dropout < 1:
-            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
         if self.load_in_4bit and not self.use_lora:
             raise ConfigError(
                 "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --use_lora"
@@ -241,7 +231,11 @@ def train(task, args):
     )
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(task, args, accelerator, raw, tokenizer)
     optimizer = run_setup.build_optimizer(
-        model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
+        model,
+        args=args,
+        learning_rate=args.scaled_learning_rate(plan.effective),
+        no_decay=NO_DECAY,
+        loraplus_lr_ratio=task.loraplus_lr_ratio,
     )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader

@@ -23,6 +23,7 @@ The settings that matter:
 - --packing puts several conversations in one row, with position ids restarting per conversation
   so that they cannot attend to each other (no padding, no cross-talk).
 - --use_lora (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules) needs peft.
+  Variants: --use_rslora, --use_dora, --loraplus_lr_ratio (LoRA+).
 - --load_in_4bit (with --use_lora) is QLoRA, a frozen NF4 base; --optim adamw_8bit keeps 8-bit AdamW
   states; both need the [lowmem] extra (docs/low_memory.md).
 
@@ -48,13 +49,13 @@ from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
 from ft_accum.training import run_outputs, run_setup, training_state
-from ft_accum.training.arguments import run_main
+from ft_accum.training.arguments import LoraArguments, run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
 
 
 @dataclass
-class TaskArguments:
+class TaskArguments(LoraArguments):
     model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "Local dir or hub name. Default: the bundled SmolLM2-135M-Instruct (offline)."}
     )
@@ -72,11 +73,6 @@ class TaskArguments:
     )
     max_seq_length: int = field(default=256, metadata={"help": "Tokens per conversation (longer: cut, counted)."})
     packing: bool = field(default=False, metadata={"help": "Several conversations per row, without cross-talk."})
-    use_lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
-    lora_target_modules: str = field(default="all-linear", metadata={"help": "Comma-separated names, or all-linear."})
     merge_lora: bool = field(default=False, metadata={"help": "Also save the merged model in final_merged/."})
     load_in_4bit: bool = field(
         default=False,
@@ -91,11 +87,10 @@ class TaskArguments:
     max_new_tokens: int = field(default=8, metadata={"help": "Generation length for the exact-match score."})
 
     def __post_init__(self):
-        for name in ("max_seq_length", "lora_r", "lora_alpha", "exact_match_max_words", "max_new_tokens"):
+        super().__post_init__()
+        for name in ("max_seq_length", "exact_match_max_words", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
-        if not 0 <= self.lora_dropout < 1:
-            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.load_in_4bit and not self.use_lora:
             raise ConfigError(
                 "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --use_lora"
@@ -253,7 +248,11 @@ def train(task, args):
         model, tokenizer = build_model(task, args, accelerator)
     train_dataloader, eval_dataloader, tokenized = build_dataloaders(task, args, accelerator, conversations, tokenizer)
     optimizer = run_setup.build_optimizer(
-        model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
+        model,
+        args=args,
+        learning_rate=args.scaled_learning_rate(plan.effective),
+        no_decay=NO_DECAY,
+        loraplus_lr_ratio=task.loraplus_lr_ratio,
     )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader

@@ -23,6 +23,7 @@ The settings that matter:
 - DPO's reference: with --use_lora, the same model with its adapters disabled (one copy in
   memory); without, a frozen copy of the starting weights. SimPO and ORPO need none.
 - --use_lora (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules) needs peft.
+  Variants: --use_rslora, --use_dora, --loraplus_lr_ratio (LoRA+).
 
 Outputs in --output_dir: final/ (the model, or the LoRA adapter), metrics.jsonl (one line per
 update, with the window's rewards, reward accuracy and margin), all_results.json,
@@ -46,13 +47,13 @@ from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora
 from ft_accum.models.output_loss import OutputLoss
 from ft_accum.training import run_outputs, run_setup, training_state
-from ft_accum.training.arguments import run_main
+from ft_accum.training.arguments import LoraArguments, run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
 
 
 @dataclass
-class TaskArguments:
+class TaskArguments(LoraArguments):
     model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "Local dir or hub name. Default: the bundled SmolLM2-135M-Instruct (offline)."}
     )
@@ -74,14 +75,10 @@ class TaskArguments:
         default=None, metadata={"help": "DPO/SimPO β, ORPO λ. Default: the paper's (0.1, 2.0, 0.1)."}
     )
     simpo_gamma: float = field(default=DEFAULT_SIMPO_GAMMA, metadata={"help": "SimPO's target margin γ."})
-    use_lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
-    lora_target_modules: str = field(default="all-linear", metadata={"help": "Comma-separated names, or all-linear."})
     chunked_loss: bool = field(default=True, metadata={"help": "Log-probs from the hidden states in chunks (exact)."})
 
     def __post_init__(self):
+        super().__post_init__()
         if self.loss not in LOSSES:
             raise ConfigError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         self.beta = DEFAULT_BETA[self.loss] if self.beta is None else self.beta
@@ -89,11 +86,8 @@ class TaskArguments:
             raise ConfigError(f"--beta must be > 0, got {self.beta}")
         if self.simpo_gamma < 0:
             raise ConfigError(f"--simpo_gamma is a target margin, ≥ 0; got {self.simpo_gamma}")
-        for name in ("max_seq_length", "lora_r", "lora_alpha"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
-        if not 0 <= self.lora_dropout < 1:
-            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.max_seq_length < 1:
+            raise ConfigError(f"--max_seq_length must be ≥ 1, got {self.max_seq_length}")
 
 
 NO_DECAY = ("bias", "norm.weight")
@@ -253,7 +247,11 @@ def train(task, args):
         args.seed,
     )
     optimizer = run_setup.build_optimizer(
-        model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
+        model,
+        args=args,
+        learning_rate=args.scaled_learning_rate(plan.effective),
+        no_decay=NO_DECAY,
+        loraplus_lr_ratio=task.loraplus_lr_ratio,
     )
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader

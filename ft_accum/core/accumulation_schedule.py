@@ -234,14 +234,15 @@ def set_peak_learning_rate(optimizer, lr_scheduler, learning_rate: float) -> Non
     """Make `learning_rate` the peak LR of a running LambdaLR-style scheduler, from now on.
 
     The scheduler multiplies its `base_lrs` by the schedule factor, so both are replaced and the
-    current LR is rescaled by the same ratio; warmup and decay carry on where they were.
+    current LR is rescaled by the same ratio; warmup and decay carry on where they were. A group
+    with an `lr_ratio` (LoRA+'s B matrices) keeps that ratio to the peak.
     """
     scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # Accelerate wraps it
     for i, group in enumerate(optimizer.param_groups):
-        ratio = learning_rate / scheduler.base_lrs[i]
-        group["lr"] *= ratio
-        group["initial_lr"] = learning_rate
-        scheduler.base_lrs[i] = learning_rate
+        peak = learning_rate * group.get("lr_ratio", 1.0)
+        group["lr"] *= peak / scheduler.base_lrs[i]
+        group["initial_lr"] = peak
+        scheduler.base_lrs[i] = peak
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 

@@ -27,12 +27,17 @@ def parse_target_modules(value: str) -> str | list[str]:
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """The --lora_* flags: rank, alpha, dropout and the target modules (a comma list, or all-linear)."""
+    """The --lora_* flags: rank, alpha, dropout, the target modules (a comma list, or all-linear) and
+    peft's variants: rsLoRA scales the update by alpha / sqrt(r) instead of alpha / r (Kalajdzievski
+    2023, arXiv:2312.03732); DoRA trains each weight's magnitude apart from its direction (Liu et al.
+    2024, arXiv:2402.09353)."""
 
     r: int
     alpha: int
     dropout: float
     target_modules: str
+    use_rslora: bool = False
+    use_dora: bool = False
 
 
 def apply_lora(model, settings: LoraSettings, gradient_checkpointing: bool, model_dtype: str = "float32"):
@@ -49,6 +54,8 @@ def apply_lora(model, settings: LoraSettings, gradient_checkpointing: bool, mode
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=parse_target_modules(settings.target_modules),
+        use_rslora=settings.use_rslora,
+        use_dora=settings.use_dora,
     )
     model = peft.get_peft_model(model, lora_config)
     if model_dtype == "bfloat16":

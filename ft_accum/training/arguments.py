@@ -203,6 +203,42 @@ class TrainingArguments:
         )
 
 
+@dataclass
+class LoraArguments:
+    """The LoRA flags of every recipe that trains language models: its `TaskArguments` inherits them
+    (`class TaskArguments(LoraArguments)`), so each variant peft offers is parsed and checked once."""
+
+    use_lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights (peft)."})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "Comma-separated names, or all-linear."})
+    use_rslora: bool = field(
+        default=False, metadata={"help": "rsLoRA: scale alpha / sqrt(r), stable at high ranks (arXiv:2312.03732)."}
+    )
+    use_dora: bool = field(
+        default=False,
+        metadata={"help": "DoRA: train each weight's magnitude and direction apart (arXiv:2402.09353); slower."},
+    )
+    loraplus_lr_ratio: Optional[float] = field(
+        default=None,
+        metadata={"help": "LoRA+: the B matrices learn this many times faster than A (arXiv:2402.12354; 16 there)."},
+    )
+
+    def __post_init__(self):
+        for name in ("lora_r", "lora_alpha"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.loraplus_lr_ratio is not None and not self.loraplus_lr_ratio >= 1:
+            raise ConfigError(f"--loraplus_lr_ratio is B's LR over A's, ≥ 1; got {self.loraplus_lr_ratio}")
+        variants = [f"--{name}" for name in ("use_rslora", "use_dora") if getattr(self, name)]
+        variants += ["--loraplus_lr_ratio"] if self.loraplus_lr_ratio is not None else []
+        if variants and not self.use_lora:
+            raise ConfigError(f"{', '.join(variants)} is a LoRA variant, so it needs --use_lora")
+
+
 def parse_args(
     task_class: type[T],
     argv: list[str] | None = None,

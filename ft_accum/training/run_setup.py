@@ -50,23 +50,51 @@ def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str 
 
 
 def build_optimizer(
-    model: torch.nn.Module, args, learning_rate: float, no_decay: tuple[str, ...]
+    model: torch.nn.Module,
+    args,
+    learning_rate: float,
+    no_decay: tuple[str, ...],
+    loraplus_lr_ratio: float | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW (fused, the Trainer's default too), bitsandbytes' 8-bit AdamW (`--optim adamw_8bit`,
     see low_memory.adamw_8bit) or SGD with momentum 0.9, over the trainable parameters; no weight
-    decay on those whose names end with one of `no_decay` (biases, norms)."""
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for n, p in trainable if not n.endswith(no_decay)], "weight_decay": args.weight_decay},
-        {"params": [p for n, p in trainable if n.endswith(no_decay)], "weight_decay": 0.0},
-    ]
-    if args.optim == "sgd":
-        return torch.optim.SGD(groups, lr=learning_rate, momentum=0.9)
-    if args.optim == "adamw_8bit":
-        return adamw_8bit(groups, learning_rate)
-    if args.optim == "adamw_torch_8bit":
-        return adamw_8bit_stochastic_rounding(groups, learning_rate, bf16_weights=args.model_dtype == "bfloat16")
-    return torch.optim.AdamW(groups, lr=learning_rate, fused=True)
+    decay on those whose names end with one of `no_decay` (biases, norms).
+
+    With `loraplus_lr_ratio` (LoRA+, Hayou et al. 2024, arXiv:2402.12354), peft's
+    `create_loraplus_optimizer` groups the parameters: the B matrices (and DoRA's magnitudes) at
+    ratio × the LR. Each group keeps its `lr_ratio` to the peak LR, which the LR scaling of an
+    accumulation schedule keeps (accumulation_schedule.set_peak_learning_rate).
+    """
+
+    def optimizer_for(groups, lr):
+        if args.optim == "sgd":
+            return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+        if args.optim == "adamw_8bit":
+            return adamw_8bit(groups, lr)
+        if args.optim == "adamw_torch_8bit":
+            return adamw_8bit_stochastic_rounding(groups, lr, bf16_weights=args.model_dtype == "bfloat16")
+        return torch.optim.AdamW(groups, lr=lr, fused=True)
+
+    if loraplus_lr_ratio:
+        from peft.optimizers import create_loraplus_optimizer
+
+        optimizer = create_loraplus_optimizer(
+            model,
+            optimizer_for,
+            lr=learning_rate,
+            loraplus_lr_ratio=loraplus_lr_ratio,
+            loraplus_weight_decay=args.weight_decay,
+        )
+    else:
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in trainable if not n.endswith(no_decay)], "weight_decay": args.weight_decay},
+            {"params": [p for n, p in trainable if n.endswith(no_decay)], "weight_decay": 0.0},
+        ]
+        optimizer = optimizer_for(groups, learning_rate)
+    for group in optimizer.param_groups:
+        group["lr_ratio"] = group["lr"] / learning_rate
+    return optimizer
 
 
 def run_banner(
@@ -166,10 +194,18 @@ def load_splits(task_args, seed: int, bundled):
 
 
 def lora_settings(task_args):
-    """A recipe's --lora_r, --lora_alpha, --lora_dropout and --lora_target_modules as a LoraSettings."""
+    """A recipe's LoraArguments (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules,
+    --use_rslora, --use_dora) as a LoraSettings."""
     from ft_accum.models.lora import LoraSettings
 
-    return LoraSettings(task_args.lora_r, task_args.lora_alpha, task_args.lora_dropout, task_args.lora_target_modules)
+    return LoraSettings(
+        r=task_args.lora_r,
+        alpha=task_args.lora_alpha,
+        dropout=task_args.lora_dropout,
+        target_modules=task_args.lora_target_modules,
+        use_rslora=task_args.use_rslora,
+        use_dora=task_args.use_dora,
+    )
 
 
 def run_settings(args):
