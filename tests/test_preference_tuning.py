@@ -11,7 +11,7 @@ from conftest import RTOL, launch, read_metrics, run_in_process, write_jsonl
 
 from ft_accum.core.preference_loss import pair_terms
 from ft_accum.data import chat_data
-from ft_accum.testing import final_weights, make_preference_pairs, relative_error
+from ft_accum.testing import final_weights, make_preference_pairs, max_abs_difference, relative_error
 
 VARIANTS = [("dpo", True), ("dpo", False), ("simpo", True), ("simpo", False), ("orpo", True), ("orpo", False)]
 
@@ -47,7 +47,9 @@ def test_response_labels_cover_the_response_only_even_after_an_assistant_turn_in
                    {"role": "user", "content": "b"}],
         "chosen": "the chosen answer", "rejected": [{"role": "assistant", "content": "no"}],
     }  # fmt: skip
-    prompt, chosen, rejected = chat_data.preference_conversations(row, "prompt", "chosen", "rejected", "row 1")
+    prompt, chosen, rejected = chat_data.preference_conversations(
+        row, "explicit", ("prompt", "chosen", "rejected"), "row 1"
+    )
     for response, text in ((chosen, "the chosen answer"), (rejected, "no")):
         ids, labels = chat_data.response_labels(tokenizer, prompt, response)
         labelled = tokenizer.decode([t for t in labels if t != -100])
@@ -55,8 +57,9 @@ def test_response_labels_cover_the_response_only_even_after_an_assistant_turn_in
 
 
 @pytest.mark.parametrize("row, words", [
-    ({"prompt": "q", "chosen": "yes"}, "no 'rejected'"),
+    ({"prompt": "q", "chosen": "yes"}, "no 'rejected' (--rejected_column) column"),
     ({"prompt": "q", "chosen": "yes", "rejected": "  "}, "empty"),
+    ({"question": "q", "good": "yes", "bad": "no"}, "the columns question, good, bad are in no preference format read here (prompt, chosen"),
 ])  # fmt: skip
 def test_a_malformed_pair_is_one_error_line(tmp_path, chat_lm_dir, row, words):
     files = {
@@ -67,6 +70,31 @@ def test_a_malformed_pair_is_one_error_line(tmp_path, chat_lm_dir, row, words):
         run_in_process("preference_tuning", preference_args(chat_lm_dir, files, tmp_path / "out", "dpo", False, 2, 1))
     message = str(exc.value.code)
     assert message.startswith("error: ") and "\n" not in message and words in message, message
+
+
+def test_the_preference_formats_people_have_train_exactly_as_trls(tmp_path, chat_lm_dir, pair_files):
+    """The same pairs in TRL's explicit-prompt format, TRL's implicit prompt (the turns chosen and
+    rejected share), ShareGPT's (LLaMA-Factory's: conversations, then one {from, value} turn each)
+    and Alpaca's (instruction, input, chosen, rejected): the four runs end bit-identical."""
+    pairs = [(r["prompt"], r["chosen"], r["rejected"]) for r in make_preference_pairs(20, seed=9)]
+    pairs = [pair for pair in pairs if isinstance(pair[0], str)][:10]
+    formats = {
+        "explicit": [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in pairs],
+        "implicit": [{"chosen": [{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                      "rejected": [{"role": "user", "content": p}, {"role": "assistant", "content": r}]}
+                     for p, c, r in pairs],
+        "sharegpt": [{"conversations": [{"from": "human", "value": p}], "chosen": {"from": "gpt", "value": c},
+                      "rejected": {"from": "gpt", "value": r}} for p, c, r in pairs],
+        "alpaca": [{"instruction": p, "input": "", "chosen": c, "rejected": r} for p, c, r in pairs],
+    }  # fmt: skip
+    weights = {}
+    for name, rows in formats.items():
+        files = {"train": write_jsonl(tmp_path / f"{name}.jsonl", rows), "validation": pair_files["validation"]}
+        args = preference_args(chat_lm_dir, files, tmp_path / name, "dpo", True, 4, 1, "--max_train_steps=2")
+        run_in_process("preference_tuning", args)
+        weights[name] = final_weights(tmp_path / name)
+    for name in ("implicit", "sharegpt", "alpaca"):
+        assert max_abs_difference(weights[name], weights["explicit"]) == 0.0, name
 
 
 def test_the_losses_follow_their_papers():

@@ -1,6 +1,8 @@
 """Chat data for instruction tuning: conversations, assistant-only labels, packing without cross-talk.
 
-A row is a conversation: a `messages` list of {"role", "content"} turns (OpenAI / ShareGPT style),
+A row is a conversation, in one of the formats people have (`conversation_format` tells which):
+a `messages` list of {"role", "content"} turns (OpenAI, TRL); ShareGPT's `conversations` of
+{"from", "value"} turns (human, gpt, system); Alpaca's `instruction`, optional `input`, `output`;
 or a `prompt` and a `completion` (one user turn, one assistant turn). The model's chat template
 renders it (`tokenizer.apply_chat_template`). The loss covers the assistant's tokens only, in every
 assistant turn: everything else in the labels is -100 (as TRL's `assistant_only_loss`).
@@ -39,11 +41,64 @@ CHATML_TEMPLATE = (
 )
 
 
-def to_messages(row: dict, messages_column: str, prompt_column: str, completion_column: str) -> list:
-    """The row's conversation: its messages column, or a user prompt and an assistant completion."""
-    if messages_column in row:
-        messages = row[messages_column]
-        return json.loads(messages) if isinstance(messages, str) and messages.lstrip().startswith("[") else messages
+# ShareGPT's speakers (FastChat, LLaMA-Factory) as chat-template roles.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+CONVERSATION_FORMATS = (
+    "messages ({role, content} turns)",
+    "ShareGPT (conversations of {from, value} turns)",
+    "Alpaca (instruction, input, output)",
+    "prompt and completion",
+)
+
+
+def as_turns(turns) -> list:
+    """{role, content} turns from a list of them, of ShareGPT's {from, value} turns, or their JSON text."""
+    if isinstance(turns, str) and turns.lstrip().startswith(("[", "{")):
+        turns = json.loads(turns)
+    if isinstance(turns, dict):
+        turns = [turns]
+    if not isinstance(turns, list):
+        return turns  # check_messages names what it is
+    return [
+        {"role": SHAREGPT_ROLES.get(t["from"], t["from"]), "content": t["value"]}
+        if isinstance(t, dict) and "from" in t and "value" in t
+        else t
+        for t in turns
+    ]
+
+
+def alpaca_prompt(row: dict) -> list:
+    """Alpaca's instruction and optional input as one user turn (after a `system` column if any)."""
+    user = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+    system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    return [*system, {"role": "user", "content": user}]
+
+
+def conversation_format(columns: list[str], messages_column: str, prompt_column: str, completion_column: str) -> str:
+    """Which of CONVERSATION_FORMATS a split's columns hold: messages, sharegpt, alpaca or prompt_completion."""
+    if messages_column in columns:
+        return "messages"
+    if "conversations" in columns:
+        return "sharegpt"
+    if {"instruction", "output"} <= set(columns):
+        return "alpaca"
+    if {prompt_column, completion_column} <= set(columns):
+        return "prompt_completion"
+    raise ConfigError(
+        f"the columns {', '.join(columns)} are in no conversation format read here: "
+        f"{'; '.join(CONVERSATION_FORMATS)}. Rename the columns, or name yours with --messages_column, or "
+        "--prompt_column and --completion_column"
+    )
+
+
+def to_messages(row: dict, data_format: str, messages_column: str, prompt_column: str, completion_column: str) -> list:
+    """The row's conversation as {role, content} turns, from its `conversation_format`."""
+    if data_format == "messages":
+        return as_turns(row[messages_column])
+    if data_format == "sharegpt":
+        return as_turns(row["conversations"])
+    if data_format == "alpaca":
+        return [*alpaca_prompt(row), {"role": "assistant", "content": row["output"]}]
     return [{"role": "user", "content": row[prompt_column]}, {"role": "assistant", "content": row[completion_column]}]
 
 
@@ -58,7 +113,10 @@ def check_messages(messages, where: str) -> None:
         if not isinstance(turn, dict) or not isinstance(turn.get("content"), str):
             raise ConfigError(f"{where}: every turn needs a role and a string content, got {str(turn)[:80]!r}")
         if turn.get("role") not in ROLES:
-            raise ConfigError(f"{where}: unknown role {turn.get('role')!r}; the roles are {', '.join(ROLES)}")
+            raise ConfigError(
+                f"{where}: unknown role {turn.get('role')!r}; the roles are {', '.join(ROLES)} (ShareGPT's "
+                f"{', '.join(SHAREGPT_ROLES)})"
+            )
     if not any(turn["role"] == "assistant" for turn in messages):
         raise ConfigError(
             f"{where}: the conversation has no assistant turn, so nothing to learn; drop the row or add the answer"
@@ -171,17 +229,51 @@ def collate_chats(pad_token_id: int, packed: bool):
 
 
 def to_turns(value, role: str) -> list:
-    """A prompt or response as turns: a string is one `role` turn, a list of turns (TRL's
-    conversational format) or its JSON text is taken as it is."""
-    if isinstance(value, str) and value.lstrip().startswith("[{"):
-        value = json.loads(value)
-    return [{"role": role, "content": value}] if isinstance(value, str) else list(value or [])
+    """A prompt or response as turns: a string is one `role` turn; a list of turns (TRL's
+    conversational format, or ShareGPT's {from, value}), one turn, or their JSON text, as turns."""
+    if isinstance(value, str) and not value.lstrip().startswith(("[{", "{")):
+        return [{"role": role, "content": value}]
+    return as_turns(value) if value else []
 
 
-def preference_conversations(row: dict, prompt_column: str, chosen_column: str, rejected_column: str, where: str):
-    """(prompt turns, chosen turns, rejected turns) of a TRL-format preference row, checked."""
-    prompt = to_turns(row[prompt_column], "user")
+PREFERENCE_FORMATS = (
+    "prompt, chosen, rejected (TRL's: strings or turns)",
+    "chosen, rejected conversations with the prompt as their shared first turns (TRL's implicit prompt)",
+    "ShareGPT: conversations, chosen, rejected (turns of {from, value})",
+    "Alpaca: instruction, input, chosen, rejected",
+)
+
+
+def preference_format(columns: list[str], prompt_column: str, chosen_column: str, rejected_column: str) -> str:
+    """Where a pair's prompt is: its own column (`explicit`), ShareGPT's `conversations`, Alpaca's
+    `instruction` and `input`, or the turns chosen and rejected share (`implicit`, as TRL's `extract_prompt`)."""
+    if missing := [f"{c!r} (--{k}_column)" for k, c in (("chosen", chosen_column), ("rejected", rejected_column))
+                   if c not in columns]:  # fmt: skip
+        raise ConfigError(
+            f"no {' or '.join(missing)} column: the columns {', '.join(columns)} are in no preference format read "
+            f"here ({'; '.join(PREFERENCE_FORMATS)}). Rename the columns, or name yours with --prompt_column, "
+            "--chosen_column and --rejected_column"
+        )
+    if prompt_column in columns:
+        return "explicit"
+    return "sharegpt" if "conversations" in columns else "alpaca" if "instruction" in columns else "implicit"
+
+
+def preference_conversations(row: dict, data_format: str, columns: tuple[str, str, str], where: str):
+    """(prompt turns, chosen turns, rejected turns) of a preference row in `preference_format`, checked."""
+    prompt_column, chosen_column, rejected_column = columns
     responses = [to_turns(row[column], "assistant") for column in (chosen_column, rejected_column)]
+    if data_format == "explicit":
+        prompt = to_turns(row[prompt_column], "user")
+    elif data_format == "sharegpt":
+        prompt = to_turns(row["conversations"], "user")
+    elif data_format == "alpaca":
+        prompt = alpaca_prompt(row)
+    else:
+        shared = 0
+        while shared < min(map(len, responses)) - 1 and responses[0][shared] == responses[1][shared]:
+            shared += 1
+        prompt, responses = responses[0][:shared], [turns[shared:] for turns in responses]
     for column, turns in zip((chosen_column, rejected_column), responses):
         check_messages(prompt + turns, f"{where} ({column})")
         if not turns or turns[-1]["role"] != "assistant" or not turns[-1]["content"].strip():
