@@ -33,7 +33,7 @@ def preference_args(model_dir, files, output_dir, loss, use_lora, micro, accumul
         f"--validation_file={files['validation']}", f"--output_dir={output_dir}", f"--loss={loss}",
         f"--per_device_train_batch_size={micro}", f"--gradient_accumulation_steps={accumulation}",
         "--optim=sgd", "--learning_rate=0.5", "--max_grad_norm=0", "--num_warmup_steps=0", "--weight_decay=0",
-        "--lr_scaling=none", "--num_train_epochs=2", "--max_seq_length=96", "--seed=3", "--report_to=none",
+        "--lr_scaling=none", "--num_train_epochs=1", "--max_seq_length=96", "--seed=3", "--report_to=none",
         *(["--use_lora", "--lora_r=4"] if use_lora else []), *extra,
     ]  # fmt: skip
 
@@ -125,7 +125,7 @@ def test_split_windows_equal_the_full_batch(tmp_path, chat_lm_dir, pair_files, l
         )
         runs[micro, accumulation] = (final_weights(out), read_metrics(out))
     (full, full_metrics) = runs[8, 1]
-    assert [m["samples_seen"] for m in full_metrics] == [8, 13, 21, 26]
+    assert [m["samples_seen"] for m in full_metrics] == [8, 13]
     for key in ((2, 4),):
         weights, metrics = runs[key]
         assert relative_error(weights, full) <= RTOL, (key, relative_error(weights, full))
@@ -166,7 +166,9 @@ def test_lora_dpo_starts_at_ln2_with_one_copy_of_the_model(tmp_path, chat_lm_dir
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("loss, use_lora", [("dpo", True), ("simpo", False), ("orpo", True), ("orpo", False)])
+# The two normalisers a window can need: pairs (DPO; SimPO's is the same) and chosen tokens (ORPO);
+# the reference as the policy with its adapters off (LoRA) and as a frozen copy (full).
+@pytest.mark.parametrize("loss, use_lora", [("dpo", True), ("orpo", False)])
 def test_two_ddp_processes_on_uneven_rows_equal_one(tmp_path, chat_lm_dir, pair_files, loss, use_lora):
     """2 processes × (2 × 2) against 1 process × (8 × 1) on 13 pairs: the last window holds 5 pairs,
     3 on process 0 and 2 on process 1, whose second micro-batch is only Accelerate's repeats."""
@@ -179,7 +181,7 @@ def test_two_ddp_processes_on_uneven_rows_equal_one(tmp_path, chat_lm_dir, pair_
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 processes" in result.stdout, result.stdout[-2000:]
     full, split = read_metrics(single), read_metrics(ddp)
-    assert [m["samples_seen"] for m in split] == [m["samples_seen"] for m in full] == [8, 13, 21, 26]
+    assert [m["samples_seen"] for m in split] == [m["samples_seen"] for m in full] == [8, 13]
     for ours, theirs in zip(split, full):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=RTOL)
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL)

@@ -1,42 +1,41 @@
 """The recipe contract (docs/writing_a_recipe.md), checked over every file in recipes/.
 
-No list of recipes and no per-recipe settings: each file found is run through the real
-`ft-accum check` command on its offline default (its own config and model, 20 rows so that the
-last window is short, the model cut to its first layer): a bad flag is one `error:` line, (8 × 1)
-and (2 × 4) give the same updates and weights, a resume is bit-identical. Each recipe's docstring
-command runs its full default model through `accelerate launch` in tests/test_configs.py.
+No list of recipes and no per-recipe settings: each file found is run through `ft-accum check`
+(its `main`, in this process: the same code as the command, without a new interpreter importing
+torch and transformers each time) on its offline default (its own config, model and data, 20 rows
+so that the last window is short, the model cut to its first layer): a bad flag is one `error:`
+line, (8 × 1) and (2 × 4) give the same updates and weights, a resume is bit-identical.
+tests/test_configs.py checks that each docstring command is a launch of this same run.
 A new recipe that follows the guide passes without this file edited. Each recipe's own behaviour
 (its data format, its metric, DDP on uneven rows through `accelerate launch`) is tested in its
 own test file.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, make_documents, tiny_lm_args, write_jsonl
 
+from ft_accum.cli.check import main as ft_accum_check
+
 pytestmark = pytest.mark.launch
-FT_ACCUM = str(Path(sys.executable).parent / "ft-accum")
 
 
-def check(recipe: Path, *flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
-    return subprocess.run([FT_ACCUM, "check", str(recipe), *flags], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+def check(capsys, recipe: Path, *flags: str) -> tuple[int, str]:
+    """`ft-accum check recipe flags`: (exit code, what it printed)."""
+    capsys.readouterr()
+    code = ft_accum_check([str(recipe), *flags])
+    return code, capsys.readouterr().out
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.py")), ids=lambda p: p.stem)
-def test_every_recipe_keeps_the_contract(recipe):
-    result = check(recipe, "--num_layers", "1")
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    table = result.stdout[result.stdout.index(f"ft-accum check {recipe}") :]
-    assert "6 of 6 passed" in table and "FAIL" not in table, table
+def test_every_recipe_keeps_the_contract(recipe, capsys):
+    code, out = check(capsys, recipe, "--num_layers", "1")
+    table = out[out.index(f"ft-accum check {recipe}") :]
+    assert code == 0 and "6 of 6 passed" in table and "FAIL" not in table, table
 
 
-def test_a_copy_with_the_classic_bug_fails_the_check_with_the_size_of_the_error(tmp_path, tiny_gpt2_dir):
+def test_a_copy_with_the_classic_bug_fails_the_check_with_the_size_of_the_error(tmp_path, tiny_gpt2_dir, capsys):
     """A copy of the causal-LM recipe that backpropagates each micro-batch's token mean (loss / its own
     token count, as copies of Accelerate's example do) instead of a constant: micro-batches of unequal
     length then weigh their tokens unequally, and the check must fail and say by how much."""
@@ -49,13 +48,13 @@ def test_a_copy_with_the_classic_bug_fails_the_check_with_the_size_of_the_error(
             "validation": write_jsonl(tmp_path / "val.jsonl", make_documents(4, seed=12))}  # fmt: skip
     flags = tiny_lm_args(tiny_gpt2_dir, data, tmp_path / "unused")
     flags = [f for f in flags if not f.startswith("--output_dir")]
-    result = check(buggy, *flags)
-    assert result.returncode == 1, result.stdout[-3000:]
-    failed = [line for line in result.stdout.splitlines() if " FAIL " in line]
-    assert any("grad_norm of every update" in line for line in failed), result.stdout[-2000:]
+    code, out = check(capsys, buggy, *flags)
+    assert code == 1, out[-3000:]
+    failed = [line for line in out.splitlines() if " FAIL " in line]
+    assert any("grad_norm of every update" in line for line in failed), out[-2000:]
     error = float(next(line for line in failed if "grad_norm" in line).split("relative error ")[1].split()[0])
     assert error > 1e-3, error  # far beyond the 1e-5 bound: the check reports the size
-    assert "the recipe breaks the contract" in result.stdout
+    assert "the recipe breaks the contract" in out
 
     # The same flags on the shipped recipe pass: the failure is the bug, not the flags.
-    assert check(ROOT / "recipes" / "causal_lm.py", *flags).returncode == 0
+    assert check(capsys, ROOT / "recipes" / "causal_lm.py", *flags)[0] == 0
