@@ -65,41 +65,12 @@ def read_state(tmp_path):
 
 
 @pytest.mark.launch
-def test_a_grid_of_four_runs_finishes_with_real_metrics(tmp_path, tiny_model_dir, data_files):
-    path = write_sweep(
-        tmp_path,
-        tiny_model_dir,
-        data_files,
-        base={"max_train_steps": 2},
-        grid={"learning_rate": [1e-3, 3e-3], "seed": [1, 2]},
-    )
-    result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = read_results(tmp_path)
-    assert [r["run"] for r in rows] == ["lr=0.001_seed=1", "lr=0.001_seed=2", "lr=0.003_seed=1", "lr=0.003_seed=2"]
-    assert all(r["status"] == "ok" and 0.0 <= float(r["eval_accuracy"]) <= 1.0 and r["updates"] == "2" for r in rows)
-    assert len({r["eval_loss"] for r in rows}) == 4, "four different runs should not give identical losses"
-    assert "[run 1/4]" in result.stdout and "sweep done: 4 ok" in result.stdout
-    assert (tmp_path / "sweep_out" / "results.md").read_text().count("| ok |") == 4
-
-
-@pytest.mark.launch
-def test_one_failing_run_leaves_the_others_finished(tmp_path, tiny_model_dir, data_files):
-    runs = [{"seed": 1}, {"seed": 2, "model_name_or_path": str(tmp_path / "no-such-model")}, {"seed": 3}]
-    path = write_sweep(tmp_path, tiny_model_dir, data_files, base={"max_train_steps": 1}, runs=runs)
-    result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert result.returncode == 1
-    state = read_state(tmp_path)
-    assert [r["status"] for r in state.values()] == ["ok", "failed", "ok"]
-    failed = list(state.values())[1]
-    assert failed["error"].startswith("error: --model_name_or_path") and "does not exist" in failed["error"]
-    assert any("does not exist" in line for line in failed["log_tail"])
-
-
-@pytest.mark.launch
-def test_a_run_that_runs_out_of_memory_is_replanned_with_the_same_effective_batch(
+def test_a_sweep_finishes_its_runs_isolates_a_failure_and_replans_an_out_of_memory_run(
     tmp_path, tiny_model_dir, data_files
 ):
+    """One sweep of four runs: two that finish with real, different metrics; one whose model does
+    not exist, which fails alone with its error recorded; and one that runs out of memory, which is
+    replanned at half the micro-batch with the same effective batch."""
     # Fault injection in the child processes: any training forward with more than 4 samples fails
     # as a CUDA OOM would. The recipe runs without --auto_micro_batch, so the run dies of it.
     inject = tmp_path / "inject"
@@ -116,28 +87,37 @@ def test_a_run_that_runs_out_of_memory_is_replanned_with_the_same_effective_batc
         "        return forward(self, input_ids=input_ids, **kwargs)\n"
         "    BertForSequenceClassification.forward = limited\n"
     )
-    path = write_sweep(
-        tmp_path,
-        tiny_model_dir,
-        data_files,
-        base={"max_train_steps": 2, "gradient_accumulation_steps": None},
-        runs=[{"per_device_train_batch_size": 8, "effective_batch_size": 16}],
-    )
+    runs = [
+        {"learning_rate": 1e-3, "seed": 1},
+        {"learning_rate": 3e-3, "seed": 2},
+        {"seed": 3, "model_name_or_path": str(tmp_path / "no-such-model")},
+        {"seed": 4, "per_device_train_batch_size": 8, "effective_batch_size": 16},
+    ]
+    path = write_sweep(tmp_path, tiny_model_dir, data_files, base={"max_train_steps": 2}, runs=runs)
     spec = yaml.safe_load(path.read_text())
-    spec["base"] = {k: v for k, v in spec["base"].items() if v is not None}
+    del spec["base"]["gradient_accumulation_steps"]
+    spec["base"]["effective_batch_size"] = 8
     path.write_text(yaml.safe_dump(spec))
     env = {**os.environ, "PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stdout[-3000:]
-    (record,) = read_state(tmp_path).values()
-    assert record["status"] == "replanned" and record["attempts"] == 2
-    assert record["replanned_args"]["per_device_train_batch_size"] == 4
-    (row,) = read_results(tmp_path)
-    assert (
-        row["effective_batch_size"] == "16"
-        and row["per_device_train_batch_size"] == "4"
-        and row["status"] == "replanned"
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[run 1/4]" in result.stdout and "sweep done: 2 ok, 1 ok after a replan, 1 failed" in result.stdout
+
+    state = list(read_state(tmp_path).values())
+    assert [r["status"] for r in state] == ["ok", "ok", "failed", "replanned"]
+    assert state[2]["error"].startswith("error: --model_name_or_path") and "does not exist" in state[2]["error"]
+    assert any("does not exist" in line for line in state[2]["log_tail"])
+    assert state[3]["attempts"] == 2 and state[3]["replanned_args"]["per_device_train_batch_size"] == 4
+
+    rows = read_results(tmp_path)
+    finished = [r for r in rows if r["status"] in ("ok", "replanned")]
+    assert len(finished) == 3 and all(
+        0.0 <= float(r["eval_accuracy"]) <= 1.0 and r["updates"] == "2" for r in finished
     )
+    assert len({r["eval_loss"] for r in finished}) == 3, "different runs should not give identical losses"
+    replanned = next(r for r in rows if r["status"] == "replanned")
+    assert replanned["effective_batch_size"] == "16" and replanned["per_device_train_batch_size"] == "4"
+    assert (tmp_path / "sweep_out" / "results.md").read_text().count("| ok |") == 2
 
 
 @pytest.mark.launch
