@@ -198,10 +198,9 @@ def test_a_validation_class_the_training_folder_lacks_is_named(tmp_path, mixed_m
     assert "bird" in message, message
 
 
-@pytest.mark.launch
-def test_launch_resume_and_pipeline(tmp_path):
+def test_resume_and_pipeline(tmp_path):
     """A run checkpointed at update 3 of 6 (in-process), resumed from that checkpoint in a fresh
-    folder through `accelerate launch`, ends bit-identical; the saved model loads into pipeline()."""
+    folder, ends bit-identical; the saved model loads into pipeline()."""
     common = {
         "per_device_train_batch_size": 4,
         "gradient_accumulation_steps": 4,
@@ -210,7 +209,7 @@ def test_launch_resume_and_pipeline(tmp_path):
     }
     run_in_process("image_classification", image_args(tmp_path / "full", checkpointing_steps=3, **common))
     resumed = copy_checkpoint(tmp_path / "full", 3, tmp_path / "resumed")
-    launch("image_classification", image_args(resumed, resume_from_checkpoint="latest", **common))
+    run_in_process("image_classification", image_args(resumed, resume_from_checkpoint="latest", **common))
     assert [r["step"] for r in read_metrics(resumed)] == [4, 5, 6]
     assert max_abs_difference(final_weights(resumed), final_weights(tmp_path / "full")) == 0.0
     assert json.loads((tmp_path / "full" / "all_results.json").read_text())["num_update_steps"] == 6

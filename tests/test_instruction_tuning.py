@@ -126,6 +126,7 @@ def naive_and_exact_gradients(model_dir, conversations, micro, accumulation):
     return full, naive
 
 
+@pytest.mark.launch
 def test_recipe_accumulation_matches_the_full_batch_and_two_ddp_processes(tmp_path, chat_lm_dir, chat_files):
     answers = [len(m["messages"][1]["content"].split()) for m in make_conversations(16, seed=3)]
     assert max(answers) >= 10 * min(answers)  # the point: assistant lengths differ 10× or more
@@ -201,15 +202,17 @@ def test_a_model_without_a_chat_template_needs_one(tmp_path, chat_lm_dir):
         chat_data.resolve_chat_template(tokenizer, None, "tiny")
 
 
-@pytest.mark.launch
-def test_launch_with_packing_lora_and_resume(tmp_path, chat_lm_dir, chat_files):
+def test_packing_with_lora_runs_and_resumes(tmp_path, chat_lm_dir, chat_files, capsys):
     args = recipe_args(
         chat_lm_dir, chat_files, tmp_path / "out", per_device_train_batch_size=2, gradient_accumulation_steps=2,
         max_train_steps=3, max_seq_length=256, checkpointing_steps=1, max_new_tokens=2,
     )  # fmt: skip
-    proc = launch("instruction_tuning", [*args, "--packing", "--use_lora", "--lora_r=4", "--max_train_steps=2"])
-    assert "packed into" in proc.stdout and "assistant tokens" in proc.stdout and "chunked" in proc.stdout
-    launch("instruction_tuning", [*args, "--packing", "--use_lora", "--lora_r=4", "--resume_from_checkpoint=latest"])
+    run_in_process("instruction_tuning", [*args, "--packing", "--use_lora", "--lora_r=4", "--max_train_steps=2"])
+    banner = capsys.readouterr().out
+    assert "packed into" in banner and "assistant tokens" in banner and "chunked" in banner
+    run_in_process(
+        "instruction_tuning", [*args, "--packing", "--use_lora", "--lora_r=4", "--resume_from_checkpoint=latest"]
+    )
     results = json.loads((tmp_path / "out" / "all_results.json").read_text())
     assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1, 2, 3] and 0 <= results["eval_exact_match"] <= 1
     assert (tmp_path / "out" / "final" / "adapter_config.json").is_file()

@@ -113,14 +113,11 @@ def test_bad_seq2seq_inputs_stop_with_one_line(tmp_path, tiny_model_dir, pair_fi
         assert fragment in message, message
 
 
-@pytest.mark.launch
-def test_launch_and_resume(tmp_path, tiny_t5_dir, pair_files):
+def test_resume_from_a_copied_checkpoint_is_bit_identical(tmp_path, tiny_t5_dir, pair_files):
     common = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "num_beams": 2}
-    run_in_process(
-        "seq2seq", s2s_args(tiny_t5_dir, pair_files, tmp_path / "full", checkpointing_steps=3, **common)
-    )  # the resume goes through the CLI
+    run_in_process("seq2seq", s2s_args(tiny_t5_dir, pair_files, tmp_path / "full", checkpointing_steps=3, **common))
     resumed = copy_checkpoint(tmp_path / "full", 3, tmp_path / "resumed")
-    launch("seq2seq", s2s_args(tiny_t5_dir, pair_files, resumed, resume_from_checkpoint="latest", **common))
+    run_in_process("seq2seq", s2s_args(tiny_t5_dir, pair_files, resumed, resume_from_checkpoint="latest", **common))
     assert [r["step"] for r in read_metrics(resumed)] == [4, 5, 6]
     assert max_abs_difference(final_weights(resumed), final_weights(tmp_path / "full")) == 0.0
 

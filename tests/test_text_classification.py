@@ -62,16 +62,6 @@ def test_effective_batch_size_derives_the_accumulation(tmp_path, tiny_model_dir,
 
 
 @pytest.mark.launch
-def test_accumulation_through_accelerate_launch(tmp_path, tiny_model_dir, data_files, full_batch_run):
-    result = launch(
-        "text_classification",
-        tiny_args(tiny_model_dir, data_files, tmp_path, per_device_train_batch_size=2, effective_batch_size=8),
-    )
-    assert "2 micro × 4 accumulation × 1 process = 8 samples per update" in result.stdout
-    assert_same_run(tmp_path, full_batch_run)
-
-
-@pytest.mark.launch
 def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(tmp_path, tiny_model_dir, data_files):
     """41 rows in windows of 2 micro × 2 accumulation × 2 processes: the last window holds one row,
     so Accelerate pads process 0's micro-batch and gives process 1 only repeated rows. Each

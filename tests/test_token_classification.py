@@ -163,15 +163,14 @@ def test_bad_tagging_inputs_stop_with_one_line(tmp_path, tiny_tagger_dir, tag_fi
         assert fragment in message, message
 
 
-@pytest.mark.launch
-def test_launch_and_resume(tmp_path, tiny_tagger_dir, tag_files):
+def test_resume_from_a_copied_checkpoint_is_bit_identical(tmp_path, tiny_tagger_dir, tag_files):
     common = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}
     run_in_process(
         "token_classification",
         tagger_args(tiny_tagger_dir, tag_files, tmp_path / "full", checkpointing_steps=3, **common),
-    )  # the resume goes through the CLI
+    )
     resumed = copy_checkpoint(tmp_path / "full", 3, tmp_path / "resumed")
-    launch(
+    run_in_process(
         "token_classification",
         tagger_args(tiny_tagger_dir, tag_files, resumed, resume_from_checkpoint="latest", **common),
     )
