@@ -22,7 +22,8 @@ The settings that matter:
 - --effective_batch_size in pairs; --max_seq_length tokens per prompt + response (longer ones are
   cut; a pair left with no response token is dropped; both counted in the banner).
 - DPO's reference: with --use_lora, the same model with its adapters disabled (one copy in
-  memory); without, a frozen copy of the starting weights. SimPO and ORPO need none.
+  memory); without, a frozen copy of the starting weights, or with --precompute_ref_log_probs its
+  log-probs in one pass before training (one copy). SimPO and ORPO need none.
 - --use_lora (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules) needs peft.
   Variants: --use_rslora, --use_dora, --loraplus_lr_ratio (LoRA+).
 
@@ -47,7 +48,7 @@ from ft_accum.core.preference_loss import DEFAULT_BETA, DEFAULT_SIMPO_GAMMA, LOS
 from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.training import run_outputs, run_setup, training_state
+from ft_accum.training import reference_log_probs, run_outputs, run_setup, training_state
 from ft_accum.training.arguments import LoraArguments, run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
@@ -80,6 +81,9 @@ class TaskArguments(LoraArguments):
     )
     simpo_gamma: float = field(default=DEFAULT_SIMPO_GAMMA, metadata={"help": "SimPO's target margin γ."})
     chunked_loss: bool = field(default=True, metadata={"help": "Log-probs from the hidden states in chunks (exact)."})
+    precompute_ref_log_probs: bool = field(
+        default=False, metadata={"help": "DPO: the reference's log-probs in one pass before training, no second copy."}
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -90,6 +94,8 @@ class TaskArguments(LoraArguments):
             raise ConfigError(f"--beta must be > 0, got {self.beta}")
         if self.simpo_gamma < 0:
             raise ConfigError(f"--simpo_gamma is a target margin, ≥ 0; got {self.simpo_gamma}")
+        if self.precompute_ref_log_probs and self.loss != "dpo":
+            raise ConfigError(f"--precompute_ref_log_probs: {self.loss} is reference-free; it is for --loss dpo")
         if self.max_seq_length < 1:
             raise ConfigError(f"--max_seq_length must be ≥ 1, got {self.max_seq_length}")
 
@@ -110,7 +116,7 @@ def build_model(task, args, accelerator):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
     reference = None
-    if task.loss == "dpo" and not task.use_lora:
+    if task.loss == "dpo" and not task.use_lora and not task.precompute_ref_log_probs:
         reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
     if args.gradient_checkpointing:
         loading.enable_gradient_checkpointing(model)
@@ -148,22 +154,20 @@ def num_tokens(batch):
 
 def forward_pairs(task, accelerator, model, batch, output_loss, reference=None, reference_loss=None):
     """The micro-batch's `PairTerms`: the policy's and (DPO) the reference's response log-probs.
-    DPO's reference is `reference` (a frozen copy, with its own `reference_loss`), or else the
-    policy with its LoRA adapters off."""
-    both = {
-        k: torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in ("input_ids", "attention_mask", "labels")
-    }
-    inputs = {"input_ids": both["input_ids"], "attention_mask": both["attention_mask"], "use_cache": False}
-    nll, tokens = output_loss.rows(model, both["labels"], **inputs)
+    DPO's reference is `reference`: a frozen copy (with its own `reference_loss`), the log-probs
+    precomputed for this split (a tensor), or else None, the policy with its LoRA adapters off."""
+    labels, inputs = chat_data.stacked_pairs(batch)
+    nll, tokens = output_loss.rows(model, labels, **inputs)
     pairs = len(tokens) // 2
     reference_logps = (None, None)
     if task.loss == "dpo":
-        if reference is None:
+        if isinstance(reference, torch.Tensor):
+            reference_logps = reference_log_probs.lookup(reference, batch["pair_index"], nll.device)
+        elif reference is None:
             with accelerator.unwrap_model(model).disable_adapter():
-                reference_nll, _ = output_loss.per_row(model, both["labels"], **inputs)
+                reference_logps = -output_loss.per_row(model, labels, **inputs)[0].view(2, -1)
         else:
-            reference_nll, _ = reference_loss.per_row(reference, both["labels"], **inputs)
-        reference_logps = (-reference_nll[:pairs], -reference_nll[pairs:])
+            reference_logps = -reference_loss.per_row(reference, labels, **inputs)[0].view(2, -1)
     return pair_terms(
         task.loss, -nll[:pairs], -nll[pairs:], tokens[:pairs], tokens[pairs:], task.beta, *reference_logps,
         simpo_gamma=task.simpo_gamma,
@@ -178,13 +182,8 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, reference=N
     columns = []  # per pair: loss term, chosen NLL, chosen tokens, chosen reward, rejected reward
     for batch in eval_dataloader:
         terms = forward_pairs(task, accelerator, model, batch, output_loss, reference, reference_loss)
-        per_pair = [
-            terms.pair_losses,
-            terms.chosen_nll,
-            terms.chosen_tokens,
-            terms.chosen_rewards,
-            terms.rejected_rewards,
-        ]
+        per_pair = [terms.pair_losses, terms.chosen_nll, terms.chosen_tokens, terms.chosen_rewards,
+                    terms.rejected_rewards]  # fmt: skip
         columns.append(accelerator.gather_for_metrics(torch.stack([c.double() for c in per_pair], 1)))
     losses, nll, tokens, chosen, rejected = torch.cat(columns).T
     model.train()
@@ -201,6 +200,8 @@ def banner_rows(task, model, tokenized, log_probs_path: str) -> dict:
     reference = "none (reference-free)"
     if task.loss == "dpo":
         reference = "the policy with its LoRA adapters off (no second copy)" if task.use_lora else "a frozen copy"
+        if task.precompute_ref_log_probs:
+            reference = "precomputed in one pass before training (no second copy)"
     return {
         "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None),
         "loss": f"{task.loss} (β {task.beta:g}" + (f", γ {task.simpo_gamma:g})" if task.loss == "simpo" else ")"),
@@ -238,9 +239,10 @@ def train(task, args):
     for split, chats in tokenized.items():
         if not chats.rows:
             raise ConfigError(f"no {split} pair keeps a response token within --max_seq_length; raise it")
+    collate = chat_data.collate_pairs(tokenizer.pad_token_id)
     train_dataloader, eval_dataloader = data_sources.seeded_dataloaders(
         {"train": tokenized["train"].rows, "validation": tokenized["validation"].rows},
-        chat_data.collate_pairs(tokenizer.pad_token_id),
+        collate,
         args.per_device_train_batch_size,
         args.per_device_eval_batch_size,
         args.seed,
@@ -273,7 +275,13 @@ def train(task, args):
     tracker = training_state.RunTracker(
         accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
-    initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, reference, reference_loss)
+    references = {"train": reference, "validation": reference}  # a frozen copy, or None: the adapters off
+    if task.precompute_ref_log_probs:  # before its first update, the policy is the reference
+        references = reference_log_probs.precompute(args.output_dir, accelerator, state.step > 0, model,
+                                                    {s: t.rows for s, t in tokenized.items()}, collate,
+                                                    args.per_device_eval_batch_size, output_loss)  # fmt: skip
+    initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, references["validation"],
+                            reference_loss)  # fmt: skip
     accelerator.print(
         f"before training: reward accuracy {initial_eval['eval_reward_accuracy']:.3f}, "
         f"margin {initial_eval['eval_reward_margin']:.4f}"
@@ -290,7 +298,8 @@ def train(task, args):
         for batch, is_padding, (window_pairs, window_chosen_tokens) in batches:
             try:
                 with accelerator.accumulate(model):
-                    terms = forward_pairs(task, accelerator, model, batch, output_loss, reference, reference_loss)
+                    terms = forward_pairs(task, accelerator, model, batch, output_loss, references["train"],
+                                          reference_loss)  # fmt: skip
                     # ORPO's NLL is a mean over the window's chosen tokens, its odds-ratio term a mean over
                     # pairs: weighing the NLL by pairs / tokens makes the window's pair mean exact for both.
                     loss_sum = terms.loss_sum + terms.nll_sum * (window_pairs / window_chosen_tokens)
@@ -317,7 +326,8 @@ def train(task, args):
             continue
 
         with tracker.paused():
-            eval_metrics = evaluate(task, model, eval_dataloader, accelerator, output_loss, reference, reference_loss)
+            eval_metrics = evaluate(task, model, eval_dataloader, accelerator, output_loss, references["validation"],
+                                    reference_loss)  # fmt: skip
         run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
         state.next_epoch()
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import RTOL, launch, read_metrics, run_in_process, write_jsonl
+from conftest import RTOL, copy_checkpoint, launch, read_metrics, run_in_process, write_jsonl
 
 from ft_accum.core.preference_loss import pair_terms
 from ft_accum.data import chat_data
@@ -166,6 +166,50 @@ def test_lora_dpo_starts_at_ln2_with_one_copy_of_the_model(tmp_path, chat_lm_dir
 
 
 @pytest.mark.launch
+def test_precomputed_reference_log_probs_equal_a_frozen_copy_and_resume_from_their_file(
+    tmp_path, chat_lm_dir, pair_files, monkeypatch
+):
+    """--precompute_ref_log_probs (full DPO): no copy of the model is made; the run at (2 × 4)
+    equals the frozen-copy run at (8 × 1) within 1e-5; resumed after its first update from a copy of
+    its checkpoint and its log-probs file, it ends bit-identical; without the file, one error line."""
+    import copy
+    import shutil
+
+    from ft_accum.training.reference_log_probs import FILE
+
+    copied, deepcopy = [], copy.deepcopy
+    monkeypatch.setattr(copy, "deepcopy", lambda x, *a: (copied.append(type(x).__name__), deepcopy(x, *a))[1])
+    run = tmp_path / "precomputed"
+    args = lambda out, micro, acc, *extra: preference_args(chat_lm_dir, pair_files, out, "dpo", False, micro, acc,  # noqa: E731
+                                                          "--checkpointing_steps=1", *extra)  # fmt: skip
+    run_in_process("preference_tuning", args(run, 2, 4, "--precompute_ref_log_probs"))
+    assert not [name for name in copied if name.endswith("ForCausalLM")], copied
+    run_in_process("preference_tuning", args(tmp_path / "frozen_copy", 8, 1))
+    ours, theirs = read_metrics(run), read_metrics(tmp_path / "frozen_copy")
+    assert [m["samples_seen"] for m in ours] == [8, 13] and ours[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for a, b in zip(ours, theirs):
+        assert a["loss"] == pytest.approx(b["loss"], rel=RTOL) and a["grad_norm"] == pytest.approx(
+            b["grad_norm"], rel=RTOL
+        )
+    assert relative_error(final_weights(run), final_weights(tmp_path / "frozen_copy")) <= RTOL
+
+    resumed = copy_checkpoint(run, 1, tmp_path / "resumed")
+    shutil.copy(run / FILE, resumed / FILE)
+    run_in_process(
+        "preference_tuning", args(resumed, 2, 4, "--precompute_ref_log_probs", "--resume_from_checkpoint=latest")
+    )
+    assert max_abs_difference(final_weights(resumed), final_weights(run)) == 0.0
+    with pytest.raises(SystemExit, match="^error: --precompute_ref_log_probs: simpo is reference-free"):
+        run_in_process(
+            "preference_tuning", [*args(tmp_path / "simpo", 2, 4, "--precompute_ref_log_probs"), "--loss=simpo"]
+        )
+    lost = copy_checkpoint(run, 1, tmp_path / "lost")
+    with pytest.raises(SystemExit, match=f"^error: --precompute_ref_log_probs: .*{FILE} is missing"):
+        run_in_process(
+            "preference_tuning", args(lost, 2, 4, "--precompute_ref_log_probs", "--resume_from_checkpoint=latest")
+        )
+
+
 # The two normalisers a window can need: pairs (DPO; SimPO's is the same) and chosen tokens (ORPO);
 # the reference as the policy with its adapters off (LoRA) and as a frozen copy (full).
 @pytest.mark.parametrize("loss, use_lora", [("dpo", True), ("orpo", False)])

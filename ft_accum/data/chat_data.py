@@ -313,7 +313,7 @@ def tokenize_pairs(tokenizer, pairs: list[tuple[list, list, list]], max_length: 
         if any(all(label == -100 for label in row[f"{n}_labels"][1:]) for n in ("chosen", "rejected")):
             dropped += 1
             continue
-        rows.append(row)
+        rows.append({**row, "pair_index": len(rows)})
     return TokenizedPairs(rows, truncated, dropped)
 
 
@@ -321,13 +321,31 @@ def collate_pairs(pad_token_id: int):
     """A micro-batch of B pairs: `chosen_*` and `rejected_*` input_ids, attention_mask and labels, B
     rows each, padded to one length (the forward runs them as 2B rows). One row per pair, so the
     cut of Accelerate's repeated rows (training_state.take_rows) cuts whole pairs."""
+    import torch
+
     collate_rows = collate_chats(pad_token_id, packed=False)
 
     def collate(pairs: list[dict]) -> dict:
         rows = [{"input_ids": p[f"{n}_input_ids"], "labels": p[f"{n}_labels"]} for n in ("chosen", "rejected")
                 for p in pairs]  # fmt: skip
         both = collate_rows(rows)
-        return {f"{n}_{k}": v[i * len(pairs) : (i + 1) * len(pairs)] for k, v in both.items()
-                for i, n in enumerate(("chosen", "rejected"))}  # fmt: skip
+        batch = {f"{n}_{k}": v[i * len(pairs) : (i + 1) * len(pairs)] for k, v in both.items()
+                 for i, n in enumerate(("chosen", "rejected"))}  # fmt: skip
+        return {**batch, "pair_index": torch.tensor([p["pair_index"] for p in pairs])}
 
     return collate
+
+
+def stacked_pairs(batch: dict) -> tuple:
+    """(labels, model inputs) of a `collate_pairs` micro-batch: its chosen rows, then its rejected
+    rows, so that one forward computes both."""
+    import torch
+
+    both = {
+        k: torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in ("input_ids", "attention_mask", "labels")
+    }
+    return both["labels"], {
+        "input_ids": both["input_ids"],
+        "attention_mask": both["attention_mask"],
+        "use_cache": False,
+    }
