@@ -25,6 +25,11 @@ MODELS = [  # (shipped config, task, sequence length)
     ("qwen2.5-0.5b", "causal_lm", 1024),
     ("qwen2.5-1.5b", "causal_lm", 1024),
     ("llama-3.1-8b", "causal_lm", 1024),
+    # Preference tuning (recipes/preference_tuning.py): the batch counts pairs, each two sequences of
+    # 512 tokens (prompt + response); full fine-tuning keeps DPO's frozen reference copy.
+    ("qwen2.5-0.5b", "preference", 512),
+    ("qwen2.5-1.5b", "preference", 512),
+    ("llama-3.1-8b", "preference", 512),
 ]
 MODES = {
     "full fine-tuning (bf16-mixed, fp32 weights, AdamW)": {"precision": "bf16-mixed", "optimizer": "adamw"},
@@ -55,6 +60,8 @@ def verified_cells() -> dict[str, dict]:
 
 def cell(model, task, seq_len, settings, args):
     """(the table's text, the cell's record for plan_12gb.json or None)."""
+    if settings.get("load_in_4bit") and task == "preference":
+        return "— (4-bit: not in the preference recipe yet)", None
     if settings.get("load_in_4bit") and task != "causal_lm":
         return "— (4-bit: the LM recipes)", None
     try:
@@ -88,7 +95,9 @@ def cell(model, task, seq_len, settings, args):
         "gradient_checkpointing": best["gradient_checkpointing"],
         "predicted_gib": best["peak_gib"],
     }
-    verified = verified_cells().get(record["cell"])
+    if task == "preference":  # gpu_check.py runs the other recipes' cells; it has no preference runner yet
+        record = None
+    verified = verified_cells().get(record["cell"]) if record else None
     mark = f"verified on GPU, {verified['measured_gib']:.1f} GiB" if verified else "predicted"
     text = (
         f"{best['per_device_train_batch_size']} × {best['gradient_accumulation_steps']}"
@@ -103,17 +112,21 @@ def main():
     parser.add_argument("--gpu_memory", type=float, default=12.0, help="GiB")
     parser.add_argument("--effective_batch_size", type=int, default=32)
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "plan_12gb.json")
+    parser.add_argument("--task", default=None, help="only the rows of this task (the JSON is then not written)")
     args = parser.parse_args()
     print(f"| model | task, tokens | {' | '.join(MODES)} |")
     print("|---|---|" + "---|" * len(MODES))
     records = []
     for model, task, seq_len in MODELS:
+        if args.task and task != args.task:
+            continue
         started = time.perf_counter()
         cells = [cell(model, task, seq_len, settings, args) for settings in MODES.values()]
         records += [record for _, record in cells if record]
         print(f"| {model} | {task}, {seq_len} | {' | '.join(text for text, _ in cells)} |", flush=True)
         print(f"<!-- {model}: {time.perf_counter() - started:.0f} s -->", flush=True)
-    args.json.write_text(json.dumps({"gpu_memory_gib": args.gpu_memory, "cells": records}, indent=2))
+    if not args.task:
+        args.json.write_text(json.dumps({"gpu_memory_gib": args.gpu_memory, "cells": records}, indent=2))
 
 
 if __name__ == "__main__":

@@ -424,3 +424,44 @@ def test_a_measured_offloading_slowdown_gives_back_the_bandwidth_of_the_copy_mod
         gbps
     )
     assert mp.implied_copy_gbps(host, 8, 10.0, 10.0) is None and mp.implied_copy_gbps(host, 8, 10.0, 11.0) is None
+
+
+def test_preference_plans_two_sequences_per_pair_and_the_reference_the_run_keeps():
+    """--task preference (recipes/preference_tuning.py): m pairs are 2m sequences; full DPO adds a
+    frozen copy, exactly the model's weight bytes, which --precompute_ref_log_probs removes; under
+    LoRA the reference is the same model (no bytes more in weights); the fake trace of each runs
+    for real on CPU tensors too (within 5%)."""
+    config, m, seq_len = tiny_llama(), 2, 64
+    traced = lambda task, micro, **settings: mp.trace_micro_batches(  # noqa: E731
+        config, [micro], task=task, seq_len=seq_len, **settings
+    )[micro][0]
+    precomputed = traced("preference", m, precompute_ref_log_probs=True)
+    assert precomputed == traced("causal_lm", 2 * m)  # no reference: the step of 2m sequences
+    assert precomputed == traced("preference", m, preference_loss="orpo")
+    copy = traced("preference", m)
+    model = mp.build_model(config, "causal_lm")
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])  # rotary too
+    assert copy.parameters - precomputed.parameters == weights
+    assert copy.optimizer_state == precomputed.optimizer_state
+    lora, lora_alone = traced("preference", m, lora_r=4), traced("preference", m, lora_r=4, preference_loss="simpo")
+    assert lora.parameters == lora_alone.parameters and lora.peak >= lora_alone.peak
+    for settings in ({}, {"lora_r": 4}):
+        real = traced("preference", m, real_tensors=True, **settings)
+        assert traced("preference", m, **settings).peak == pytest.approx(real.peak, rel=0.05), settings
+
+
+def test_a_preference_plan_is_a_run_of_the_preference_recipe():
+    from ft_accum.testing import load_recipe
+    from ft_accum.training.arguments import parse_args
+
+    result = mp.plan(tiny_llama(), task="preference", seq_len=64, effective_batch_size=8, gpu_memory_gib=12,
+                     precision="fp32", precompute_ref_log_probs=True)  # fmt: skip
+    launch = result["launch"]
+    assert "recipes/preference_tuning.py" in launch and "--max_seq_length 64" in launch, launch
+    assert "--precompute_ref_log_probs" in launch and "--effective_batch_size 8" in launch
+    flags = launch.split("recipes/preference_tuning.py ")[1].split()
+    _, args = parse_args(load_recipe("preference_tuning").TaskArguments, flags)
+    assert args.effective_batch_size == 8
+    with pytest.raises(ConfigError, match="--loss must be one of dpo, simpo, orpo"):
+        mp.plan(tiny_llama(), task="preference", seq_len=64, effective_batch_size=8, gpu_memory_gib=12,
+                preference_loss="kto")  # fmt: skip

@@ -39,6 +39,8 @@ def plan_command(args: argparse.Namespace) -> int:
         host_memory_gib=memory_planner.parse_memory(args.host_memory) if args.offload_activations else None,
         gpu_tflops=args.gpu_tflops,
         pcie_gbps=args.pcie_gbps,
+        preference_loss=args.loss,
+        precompute_ref_log_probs=args.precompute_ref_log_probs,
     )
     result["seconds"] = round(time.perf_counter() - started, 1)
     if args.json:
@@ -162,9 +164,25 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--config", default=None, help="path to a config.json (overrides --model); the offline way for any model"
     )
-    plan.add_argument("--task", default="causal_lm", choices=memory_planner.TASKS)
+    plan.add_argument(
+        "--task",
+        default="causal_lm",
+        choices=memory_planner.TASKS,
+        help="preference: recipes/preference_tuning.py, a sample is a pair (two sequences of --seq_len)",
+    )
     plan.add_argument("--seq_len", type=int, default=512, help="tokens per sample (padded length)")
-    plan.add_argument("--effective_batch_size", type=int, default=64, help="samples per optimizer update")
+    plan.add_argument("--effective_batch_size", type=int, default=64, help="samples (pairs) per optimizer update")
+    plan.add_argument(
+        "--loss",
+        default="dpo",
+        choices=memory_planner.PREFERENCE_LOSSES,
+        help="--task preference: dpo keeps a reference (the adapters off under LoRA, else a frozen copy)",
+    )
+    plan.add_argument(
+        "--precompute_ref_log_probs",
+        action="store_true",
+        help="--task preference with dpo: the reference's log-probs precomputed, no frozen copy",
+    )
     plan.add_argument("--gpu_memory", default="12GiB", help="memory of one card, e.g. 12GiB")
     plan.add_argument("--num_processes", type=int, default=1, help="GPUs (data parallel); the plan is per GPU")
     plan.add_argument("--precision", default="bf16-mixed", choices=memory_planner.PRECISIONS)

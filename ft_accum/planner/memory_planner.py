@@ -58,7 +58,10 @@ NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
 # compute (`relative_throughput`); `ft-accum plan --gpu_tflops/--pcie_gbps` override them.
 ASSUMED_GPU_TFLOPS = 12.0  # sustained bf16 training throughput of a 12 GB consumer card, at full utilisation
 ASSUMED_PCIE_GBPS = 20.0  # pinned host↔GPU copies over PCIe 4.0 x16 (31.5 GB/s in theory)
-TASKS = ("causal_lm", "text_classification", "token_classification", "seq2seq")
+TASKS = ("causal_lm", "text_classification", "token_classification", "seq2seq", "preference")
+# Preference tuning's reference while it trains (recipes/preference_tuning.py): the policy with its LoRA
+# adapters off, a frozen copy (full DPO), or none (SimPO, ORPO, DPO with --precompute_ref_log_probs).
+PREFERENCE_LOSSES = ("dpo", "simpo", "orpo")
 SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 CATEGORIES = ("parameters", "optimizer_state", "activations_gradients_temporaries")
 
@@ -181,6 +184,7 @@ def build_model(config, task: str, dtype: torch.dtype = torch.float32):
 
     auto = {
         "causal_lm": AutoModelForCausalLM,
+        "preference": AutoModelForCausalLM,
         "text_classification": AutoModelForSequenceClassification,
         "token_classification": AutoModelForTokenClassification,
         "seq2seq": AutoModelForSeq2SeqLM,
@@ -196,9 +200,13 @@ def build_model(config, task: str, dtype: torch.dtype = torch.float32):
 
 def example_batch(config, task: str, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
     """A random micro-batch of `micro_batch_size` × `seq_len` tokens with the labels `task` trains on."""
-    ids = torch.randint(0, config.vocab_size, (micro_batch_size, seq_len))
+    rows = 2 * micro_batch_size if task == "preference" else micro_batch_size  # a pair: chosen and rejected
+    ids = torch.randint(0, config.vocab_size, (rows, seq_len))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if task == "causal_lm":  # packed blocks, as the recipe passes them with --packing: no mask, so SDPA is causal
+    if task in (
+        "causal_lm",
+        "preference",
+    ):  # packed blocks, as the recipe passes them with --packing: no mask, so SDPA is causal
         batch = {"input_ids": ids, "labels": ids}
     elif task == "text_classification":
         batch["labels"] = torch.zeros(micro_batch_size, dtype=torch.long)
@@ -251,23 +259,35 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 LOSS_PATHS = ("chunked", "logits", "model")
 
 
-def training_step(model, batch: dict, task: str, loss: str = "chunked") -> torch.Tensor:
+def training_step(model, batch: dict, task: str, loss: str = "chunked", reference=None) -> torch.Tensor:
     """One micro-batch's loss, as the step that is traced computes it.
 
     "chunked" and "logits" are the language-model recipes' `OutputLoss` (the default, and
     --no_chunked_loss); "model" is the model's own loss, `model(**batch).loss`, which is what a plain
     PyTorch loop and the Transformers Trainer backpropagate, and what the classifier recipes use.
+    A preference micro-batch holds each pair's two sequences; DPO's `reference` ("adapters_off":
+    the same model with its LoRA adapters off, or a frozen copy) then runs a forward without grad
+    while the policy's activations wait for the backward, as in recipes/preference_tuning.py.
     """
-    if task not in ("causal_lm", "seq2seq") or loss == "model":
+    if task not in ("causal_lm", "seq2seq", "preference") or loss == "model":
         return model(**batch).loss
     from ft_accum.models.output_loss import OutputLoss
 
     # check_logits=False: fake tensors have no values to check against the logits.
-    loss_fn = OutputLoss(model, shift=task == "causal_lm", enabled=loss == "chunked", check_logits=False)
+    loss_fn = OutputLoss(model, shift=task != "seq2seq", enabled=loss == "chunked", check_logits=False)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     if task == "seq2seq":
         inputs["decoder_input_ids"] = batch["labels"]
     loss_sum, _ = loss_fn(model, batch["labels"], **inputs)
+    if reference is not None:
+        with torch.no_grad():
+            if reference == "adapters_off":
+                with model.disable_adapter():
+                    loss_fn.per_row(model, batch["labels"], **inputs)
+            else:
+                OutputLoss(reference, shift=True, enabled=loss == "chunked", check_logits=False).per_row(
+                    reference, batch["labels"], **inputs
+                )
     return loss_sum / batch["labels"].numel()
 
 
@@ -343,6 +363,8 @@ def trace_micro_batches(
     attention: str = "fused",
     load_in_4bit: bool = False,
     offload_activations: bool = False,
+    preference_loss: str = "dpo",
+    precompute_ref_log_probs: bool = False,
     real_tensors: bool = False,
     accounting: dict | None = None,
 ) -> dict[int, tuple[MemoryEstimate, MemoryEstimate]]:
@@ -362,6 +384,11 @@ def trace_micro_batches(
     forward and comes back in the backward (`saved_tensors_hooks`, as torchtune's activation
     offloading and `torch.autograd.graph.save_on_cpu` do); its bytes are reported as
     `host_offloaded`, and the GPU peak counts them only while backward uses them.
+
+    `task="preference"`: a micro-batch of m pairs is 2m sequences of `seq_len`; with
+    `preference_loss="dpo"` the reference runs too (`training_step`): under LoRA the same model with
+    its adapters off, else a frozen copy, counted with the parameters, unless
+    `precompute_ref_log_probs` (the log-probs read from a table, no reference in memory).
     """
     FakeTensorMode, _ = torch_internals()
     if precision not in PRECISIONS:
@@ -407,6 +434,11 @@ def trace_micro_batches(
             for parameter in model.parameters():
                 if not parameter.requires_grad and id(parameter) not in quantized_ids:
                     parameter.data = parameter.data.float()
+        reference = None
+        if task == "preference" and preference_loss == "dpo" and not precompute_ref_log_probs:
+            reference = "adapters_off" if lora_r else build_model(config, task, next(model.parameters()).dtype)
+            if reference != "adapters_off":
+                reference.requires_grad_(False).eval()
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = build_optimizer(optimizer, trainable)
@@ -428,7 +460,8 @@ def trace_micro_batches(
         for micro_batch_size in micro_batch_sizes:
             batch = example_batch(config, task, micro_batch_size, seq_len)
             tracker = _live_bytes_mode()
-            for tensor in [*model.parameters(), *model.buffers()]:
+            copies = [reference] if isinstance(reference, torch.nn.Module) else []
+            for tensor in [p for m in (model, *copies) for p in (*m.parameters(), *m.buffers())]:
                 tracker.add(tensor, static=True)
             parameter_bytes = tracker.static
             for value in (v for state in opt.state.values() for v in state.values()):
@@ -443,7 +476,7 @@ def trace_micro_batches(
             offload = offload_hooks(tracker) if offload_activations else contextlib.nullcontext()
             with tracker, kernels:  # backward too: checkpointing recomputes attention there
                 with autocast, offload:
-                    loss = training_step(model, batch, task, loss_path)
+                    loss = training_step(model, batch, task, loss_path, reference)
                 loss.float().backward()
                 del loss
                 if accounting is not None:
@@ -626,6 +659,8 @@ def plan(
     host_memory_gib: float | None = None,
     gpu_tflops: float = ASSUMED_GPU_TFLOPS,
     pcie_gbps: float = ASSUMED_PCIE_GBPS,
+    preference_loss: str = "dpo",
+    precompute_ref_log_probs: bool = False,
 ) -> dict[str, Any]:
     """Every exact split of the effective batch, with and without checkpointing: predicted peak, fit, speed.
 
@@ -635,7 +670,12 @@ def plan(
     priced against compute (`relative_throughput`, with `gpu_tflops` and `pcie_gbps`). An offloaded
     candidate fits only if its host bytes also stay within 80% of `host_memory_gib` (the rest is the
     OS, the data and Python).
+
+    `task="preference"` plans recipes/preference_tuning.py: `effective_batch_size` counts pairs, each
+    two sequences of `seq_len`, and DPO's reference is priced as `trace_micro_batches` says.
     """
+    if preference_loss not in PREFERENCE_LOSSES:
+        raise ConfigError(f"--loss must be one of {', '.join(PREFERENCE_LOSSES)}, got {preference_loss!r}")
     for name, value in (("--gpu_tflops", gpu_tflops), ("--pcie_gbps", pcie_gbps)):
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{name} must be a positive number, got {value:g}; leave it out for the default")
@@ -653,7 +693,10 @@ def plan(
         "attention": attention,
         "loss_path": loss_path,
         "load_in_4bit": load_in_4bit,
-    }
+        **({"preference_loss": preference_loss, "precompute_ref_log_probs": precompute_ref_log_probs}
+           if task == "preference" else {}),
+    }  # fmt: skip
+    tokens_per_sample = seq_len * (2 if task == "preference" else 1)  # a pair is two sequences
     card = gpu_memory_gib * GIB
     # predicted[(gradient_checkpointing, offload_activations)][micro]
     predicted = {(False, False): predict_micro_batches(config, micros, gradient_checkpointing=False, **settings)}
@@ -694,7 +737,7 @@ def plan(
                     and (not offloaded or estimate.host_offloaded <= 0.8 * (host_memory_gib or math.inf) * GIB),
                     "relative_throughput": relative_throughput(
                         micro,
-                        seq_len,
+                        tokens_per_sample,
                         checkpointing,
                         trains_base_weights=not lora_r,
                         offloaded_bytes=estimate.host_offloaded,
@@ -720,7 +763,7 @@ def plan(
         # What the copies cost, at the assumed bandwidth: the same split's speed without them.
         uncopied = relative_throughput(
             best["per_device_train_batch_size"],
-            seq_len,
+            tokens_per_sample,
             best["gradient_checkpointing"],
             trains_base_weights=not lora_r,
         )
@@ -741,6 +784,11 @@ def plan(
         "loss_path": loss_path,
         "load_in_4bit": load_in_4bit,
         "offload_activations": offload_activations,
+        **(
+            {"preference_loss": preference_loss, "precompute_ref_log_probs": precompute_ref_log_probs}
+            if task == "preference"
+            else {}
+        ),
         "gpu_tflops": gpu_tflops,
         "pcie_gbps": pcie_gbps,
         "training_flops_per_token": flops_per_token,
@@ -758,7 +806,9 @@ SEQUENCE_FLAG = {
     "text_classification": "--max_seq_length",
     "token_classification": "--max_seq_length",
     "seq2seq": "--max_source_length",
+    "preference": "--max_seq_length",
 }
+RECIPE = {"preference": "preference_tuning"}  # the recipe file of each task, where its name differs
 
 
 def launch_line(result: dict) -> str | None:
@@ -793,7 +843,7 @@ def launch_line(result: dict) -> str | None:
     settings = {**result, "offload_activations": best.get("offload_activations", False)}
     return (
         f"accelerate launch --config_file accelerate_configs/{accelerate_config} "
-        f"recipes/{result['task']}.py {' '.join(flags + recipe_flags(settings))}"
+        f"recipes/{RECIPE.get(result['task'], result['task'])}.py {' '.join(flags + recipe_flags(settings))}"
     )
 
 
@@ -815,6 +865,10 @@ def recipe_flags(settings: dict) -> list[str]:
         flags.append("--load_in_4bit")
     if settings.get("offload_activations"):
         flags.append("--offload_activations")
+    if settings.get("preference_loss", "dpo") != "dpo":
+        flags.append(f"--loss={settings['preference_loss']}")
+    if settings.get("precompute_ref_log_probs"):
+        flags.append("--precompute_ref_log_probs")
     return flags
 
 
