@@ -156,6 +156,13 @@ def test_lora_dpo_starts_at_ln2_with_one_copy_of_the_model(tmp_path, chat_lm_dir
     assert results["initial_eval_reward_margin"] == 0.0
     models = lambda names: [name for name in names if name.endswith("ForCausalLM")]  # noqa: E731
     assert models(built) == ["LlamaForCausalLM"] and not models(copied), (built, copied)
+    # The report draws the rewards of each update and tabulates the evaluation's.
+    from ft_accum.cli.main import main as cli_main
+
+    cli_main(["report", str(out)])
+    for name in ("reward_accuracy.png", "reward_margin.png"):
+        assert (out / "report" / name).read_bytes()[:4] == b"\x89PNG", name
+    assert "eval_reward_accuracy" in (out / "report" / "report.md").read_text()
 
     # Full fine-tuning keeps a frozen copy, and says so: the same count would catch it.
     built.clear()

@@ -22,6 +22,9 @@ PLOTS = [
     ("grad_norm.png", "Gradient norm before clipping", "grad_norm", "‖g‖", True),
     ("throughput.png", "Throughput", None, "per second", False),
     ("noise_scale.png", "Gradient noise scale vs effective batch", "noise_scale", "samples or tokens", True),
+    # recipes/preference_tuning.py: means over each update's pairs
+    ("reward_accuracy.png", "Reward accuracy per update", "reward_accuracy", "chosen reward > rejected", False),
+    ("reward_margin.png", "Reward margin per update", "reward_margin", "chosen − rejected reward", False),
 ]
 
 
