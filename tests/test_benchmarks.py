@@ -6,9 +6,11 @@ with each section's table and plot, and that the correctness section's claims ho
 
 import importlib.util
 import json
-import subprocess
+import os
+import runpy
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -57,12 +59,20 @@ def test_run_all_quick_writes_every_section(tmp_path):
     assert "skipped" in accuracy or len(accuracy["runs"]) == 5  # SST-2 lives in ../shared, absent on CI
 
 
-def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / name), *args], capture_output=True, text=True, cwd=ROOT
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+def run_script(name: str, *args: str, capsys=None) -> str:
+    """`python benchmarks/<name> args`, run in this process (runpy, as __main__): the script is the
+    same, without a new interpreter importing torch and transformers each time. What it printed."""
+    from ft_accum.testing import reset_accelerate_state
+
+    # patch.dict restores the environment: gpu_check.py sets ACCELERATE_MIXED_PRECISION per run.
+    with mock.patch.object(sys, "argv", [str(ROOT / "benchmarks" / name), *args]), mock.patch.dict(os.environ):
+        try:
+            runpy.run_path(str(ROOT / "benchmarks" / name), run_name="__main__")
+        except SystemExit as exc:
+            assert exc.code in (0, None), exc.code
+        finally:
+            reset_accelerate_state()
+    return capsys.readouterr().out if capsys else ""
 
 
 def test_output_loss_profile_and_packing_benchmarks_run_quick(tmp_path):
@@ -108,14 +118,14 @@ def test_optimizer_candidates_benchmark_runs_quick(tmp_path):
 
 
 @pytest.mark.launch
-def test_gpu_check_dry_run_exercises_every_check_it_can_on_cpu(tmp_path):
+def test_gpu_check_dry_run_exercises_every_check_it_can_on_cpu(tmp_path, capsys):
     """The GPU check must not first break on the GPU machine: its dry run runs checks 1–4 on CPU."""
-    proc = run_script("gpu_check.py", "--dry_run", "--output", str(tmp_path / "gpu_check.json"))
+    out = run_script("gpu_check.py", "--dry_run", "--output", str(tmp_path / "gpu_check.json"), capsys=capsys)
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     checks = " ".join(r["check"] for r in rows)
     for part in ("(8 × 1) = (2 × 4)", "planner / recipe peak", "12 GB table", "throughput"):
         assert part in checks, part
-    assert all(r["pass"] for r in rows) and "| check | measured |" in proc.stdout
+    assert all(r["pass"] for r in rows) and "| check | measured |" in out
     # The low-memory cells ran through the recipe with their flags: bf16 weights with 8-bit AdamW, and QLoRA.
     assert {"tiny-llama-3.1-8b causal_lm 64 full-8bit", "tiny-llama-3.1-8b causal_lm 64 qlora"} <= {
         r.get("cell") for r in rows
