@@ -9,7 +9,8 @@ from `ft_accum.testing.make_tiny_chat_lm`), the same pairs in TRL's conversation
 epoch, the pairs in one fixed order for TRL (a sequential sampler) and one seeded order for ours.
 
 1. At (8 × 1), full fine-tuning with a frozen reference: the first update's loss, rewards and
-   gradient norm, ours against TRL's `DPOTrainer`.
+   gradient norm, ours against TRL's `DPOTrainer` and against DPO written out in plain PyTorch
+   (full logits, one sequence at a time).
 2. For DPO (full, frozen reference) and ORPO (TRL's `experimental.orpo.ORPOTrainer`), each split
    against the same toolkit's full batch of the same size: (2 × 4) and (4 × 2) on 8 pairs, (3 × 2)
    on 10 pairs (its last window holds micro-batches of 3 and 1 pairs) against (6 × 1), and
@@ -114,6 +115,42 @@ def our_run(loss: str, model_dir: Path, pairs_file: Path, micro: int, accumulati
     return torch.cat([weights[k].double().flatten() for k in sorted(weights)]), first
 
 
+def plain_pytorch_first_update(model_dir: Path, pairs: list[dict], beta: float = 0.1) -> dict:
+    """DPO's loss and gradient norm over `pairs` in one full batch, written out in plain PyTorch (full
+    logits, one sequence at a time, a frozen copy as the reference): what both toolkits should give."""
+    import copy
+
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ft_accum.data import chat_data
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).train()
+    reference = copy.deepcopy(model).eval()
+
+    def log_prob(m, prompt, response):
+        ids, labels = chat_data.response_labels(tokenizer, prompt, response)
+        logits = m(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        targets = torch.tensor(labels[1:])
+        kept = targets != -100
+        return logits.log_softmax(-1)[kept].gather(1, targets[kept].unsqueeze(1)).sum()
+
+    losses = []
+    for row in pairs:
+        prompt, chosen, rejected = chat_data.preference_conversations(
+            row, "explicit", ("prompt", "chosen", "rejected"), ""
+        )
+        policy = log_prob(model, prompt, chosen) - log_prob(model, prompt, rejected)
+        with torch.no_grad():
+            ref = log_prob(reference, prompt, chosen) - log_prob(reference, prompt, rejected)
+        losses.append(-F.logsigmoid(beta * (policy - ref)))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None))
+    return {"loss": float(loss), "grad_norm": float(norm)}
+
+
 def fraction(split: torch.Tensor, full: torch.Tensor, start: torch.Tensor) -> float:
     return float((split - full).norm() / (full - start).norm())
 
@@ -160,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
                 results["first_update_8x1"] = {
                     "trl": {k: trl_first.get(k) for k in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected")},
                     "ft_accum": {k: ours_first.get(k) for k in ("loss", "grad_norm", "rewards_chosen", "rewards_rejected")},
+                    "plain_pytorch": plain_pytorch_first_update(model_dir, pairs),
                 }  # fmt: skip
     options.output.parent.mkdir(parents=True, exist_ok=True)
     options.output.write_text(json.dumps(results, indent=2))

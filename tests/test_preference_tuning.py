@@ -72,6 +72,22 @@ def test_a_malformed_pair_is_one_error_line(tmp_path, chat_lm_dir, row, words):
     assert message.startswith("error: ") and "\n" not in message and words in message, message
 
 
+def test_a_prompt_longer_than_max_seq_length_is_a_counted_skip(tmp_path, chat_lm_dir, capsys):
+    """A pair whose prompt fills --max_seq_length keeps no response token: it is dropped, and the
+    banner and all_results.json count it; the run goes on with the other pairs."""
+    rows = make_preference_pairs(8, seed=4)
+    rows[3] = {"prompt": "the " * 300, "chosen": "yes", "rejected": "no"}
+    files = {
+        "train": write_jsonl(tmp_path / "t.jsonl", rows),
+        "validation": write_jsonl(tmp_path / "v.jsonl", rows[:2]),
+    }
+    results = run_in_process(
+        "preference_tuning", preference_args(chat_lm_dir, files, tmp_path / "out", "dpo", True, 4, 1)
+    )
+    assert "1 dropped (no response token left)" in capsys.readouterr().out
+    assert results["dropped_train_pairs"] == 1 and results["truncated_train_pairs"] == 1
+
+
 def test_the_preference_formats_people_have_train_exactly_as_trls(tmp_path, chat_lm_dir, pair_files):
     """The same pairs in TRL's explicit-prompt format, TRL's implicit prompt (the turns chosen and
     rejected share), ShareGPT's (LLaMA-Factory's: conversations, then one {from, value} turn each)
@@ -111,30 +127,6 @@ def test_the_losses_follow_their_papers():
     odds = lambda lp, n: (lp / n).exp() / (1 - (lp / n).exp())  # noqa: E731
     assert torch.allclose(orpo.pair_losses, -0.1 * F.logsigmoid(torch.log(odds(pc, nc) / odds(pr, nr))), atol=1e-6)
     assert torch.allclose(orpo.chosen_nll, -pc)
-
-
-@pytest.mark.parametrize("loss, use_lora", VARIANTS, ids=lambda v: str(v))
-def test_split_windows_equal_the_full_batch(tmp_path, chat_lm_dir, pair_files, loss, use_lora):
-    """(8 × 1) = (2 × 4): 13 pairs leave a short last window of 5 pairs, whose micro-batches hold
-    2, 2 and 1; responses differ 5× and more in length."""
-    runs = {}
-    for micro, accumulation in ((8, 1), (2, 4)):
-        out = tmp_path / f"{micro}x{accumulation}"
-        run_in_process(
-            "preference_tuning", preference_args(chat_lm_dir, pair_files, out, loss, use_lora, micro, accumulation)
-        )
-        runs[micro, accumulation] = (final_weights(out), read_metrics(out))
-    (full, full_metrics) = runs[8, 1]
-    assert [m["samples_seen"] for m in full_metrics] == [8, 13]
-    for key in ((2, 4),):
-        weights, metrics = runs[key]
-        assert relative_error(weights, full) <= RTOL, (key, relative_error(weights, full))
-        for ours, theirs in zip(metrics, full_metrics):
-            assert ours["loss"] == pytest.approx(theirs["loss"], rel=RTOL), key
-            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL), key
-            assert ours["reward_accuracy"] == theirs["reward_accuracy"], key
-            # a difference of two rewards of ~1: its relative error is not what fp32 summation order bounds
-            assert ours["reward_margin"] == pytest.approx(theirs["reward_margin"], abs=1e-5), key
 
 
 def test_lora_dpo_starts_at_ln2_with_one_copy_of_the_model(tmp_path, chat_lm_dir, pair_files, monkeypatch):
@@ -217,26 +209,41 @@ def test_precomputed_reference_log_probs_equal_a_frozen_copy_and_resume_from_the
         )
 
 
-# The two normalisers a window can need: pairs (DPO; SimPO's is the same) and chosen tokens (ORPO);
-# the reference as the policy with its adapters off (LoRA) and as a frozen copy (full).
-@pytest.mark.parametrize("loss, use_lora", [("dpo", True), ("orpo", False)])
-def test_two_ddp_processes_on_uneven_rows_equal_one(tmp_path, chat_lm_dir, pair_files, loss, use_lora):
-    """2 processes × (2 × 2) against 1 process × (8 × 1) on 13 pairs: the last window holds 5 pairs,
-    3 on process 0 and 2 on process 1, whose second micro-batch is only Accelerate's repeats."""
-    single = tmp_path / "single"
-    run_in_process("preference_tuning", preference_args(chat_lm_dir, pair_files, single, loss, use_lora, 8, 1))
-    ddp = tmp_path / "ddp"
+@pytest.mark.launch
+@pytest.mark.parametrize("loss, use_lora", VARIANTS, ids=lambda v: str(v))
+def test_split_windows_and_two_ddp_processes_equal_the_full_batch(tmp_path, chat_lm_dir, pair_files, loss, use_lora):
+    """(8 × 1) = (2 × 4) = 2 processes × (2 × 2), through `accelerate launch`: 13 pairs leave a short
+    last window of 5 pairs (micro-batches of 2, 2 and 1 at 2 × 4; 3 pairs on process 0 and 2 on
+    process 1, whose second micro-batch is only Accelerate's repeats); responses differ 5× and more."""
+    runs = {}
+    for micro, accumulation in ((8, 1), (2, 4)):
+        out = tmp_path / f"{micro}x{accumulation}"
+        run_in_process(
+            "preference_tuning", preference_args(chat_lm_dir, pair_files, out, loss, use_lora, micro, accumulation)
+        )
+        runs[f"{micro}x{accumulation}"] = out
     result = launch(
-        "preference_tuning", preference_args(chat_lm_dir, pair_files, ddp, loss, use_lora, 2, 2), num_processes=2
+        "preference_tuning",
+        preference_args(chat_lm_dir, pair_files, tmp_path / "ddp", loss, use_lora, 2, 2),
+        num_processes=2,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 processes" in result.stdout, result.stdout[-2000:]
-    full, split = read_metrics(single), read_metrics(ddp)
-    assert [m["samples_seen"] for m in split] == [m["samples_seen"] for m in full] == [8, 13]
-    for ours, theirs in zip(split, full):
-        assert ours["loss"] == pytest.approx(theirs["loss"], rel=RTOL)
-        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL)
-    assert relative_error(final_weights(ddp), final_weights(single)) <= RTOL
+    assert result.returncode == 0 and "2 processes" in result.stdout, result.stderr[-3000:]
+    runs["ddp"] = tmp_path / "ddp"
+    full, full_metrics = final_weights(runs["8x1"]), read_metrics(runs["8x1"])
+    assert [m["samples_seen"] for m in full_metrics] == [8, 13]
+    for key in ("2x4", "ddp"):
+        metrics = read_metrics(runs[key])
+        assert [m["samples_seen"] for m in metrics] == [8, 13], key
+        assert relative_error(final_weights(runs[key]), full) <= RTOL, (
+            key,
+            relative_error(final_weights(runs[key]), full),
+        )
+        for ours, theirs in zip(metrics, full_metrics):
+            assert ours["loss"] == pytest.approx(theirs["loss"], rel=RTOL), key
+            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL), key
+            assert ours["reward_accuracy"] == theirs["reward_accuracy"], key
+            # a difference of two rewards of ~1: its relative error is not what fp32 summation order bounds
+            assert ours["reward_margin"] == pytest.approx(theirs["reward_margin"], abs=1e-5), key
 
 
 def test_window_totals_are_known_before_the_window_and_the_short_last_window_still_syncs_once():
