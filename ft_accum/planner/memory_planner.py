@@ -434,11 +434,13 @@ def trace_micro_batches(
             for parameter in model.parameters():
                 if not parameter.requires_grad and id(parameter) not in quantized_ids:
                     parameter.data = parameter.data.float()
-        reference = None
+        reference, copies = None, []
         if task == "preference" and preference_loss == "dpo" and not precompute_ref_log_probs:
-            reference = "adapters_off" if lora_r else build_model(config, task, next(model.parameters()).dtype)
-            if reference != "adapters_off":
-                reference.requires_grad_(False).eval()
+            if lora_r:
+                reference = "adapters_off"
+            else:
+                reference = build_model(config, task, next(model.parameters()).dtype).requires_grad_(False).eval()
+                copies = [reference]
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = build_optimizer(optimizer, trainable)
@@ -460,7 +462,6 @@ def trace_micro_batches(
         for micro_batch_size in micro_batch_sizes:
             batch = example_batch(config, task, micro_batch_size, seq_len)
             tracker = _live_bytes_mode()
-            copies = [reference] if isinstance(reference, torch.nn.Module) else []
             for tensor in [p for m in (model, *copies) for p in (*m.parameters(), *m.buffers())]:
                 tracker.add(tensor, static=True)
             parameter_bytes = tracker.static
@@ -683,6 +684,11 @@ def plan(
     # The recipes refuse a sequence longer than the model's positions; so must the plan (issue 19).
     check_context_length(config, seq_len, "--seq_len")
     micros = candidate_micro_batches(effective_batch_size, num_processes)
+    preference = (
+        {"preference_loss": preference_loss, "precompute_ref_log_probs": precompute_ref_log_probs}
+        if task == "preference"
+        else {}
+    )
     settings = {
         "task": task,
         "seq_len": seq_len,
@@ -693,9 +699,8 @@ def plan(
         "attention": attention,
         "loss_path": loss_path,
         "load_in_4bit": load_in_4bit,
-        **({"preference_loss": preference_loss, "precompute_ref_log_probs": precompute_ref_log_probs}
-           if task == "preference" else {}),
-    }  # fmt: skip
+        **preference,
+    }
     tokens_per_sample = seq_len * (2 if task == "preference" else 1)  # a pair is two sequences
     card = gpu_memory_gib * GIB
     # predicted[(gradient_checkpointing, offload_activations)][micro]
@@ -784,11 +789,7 @@ def plan(
         "loss_path": loss_path,
         "load_in_4bit": load_in_4bit,
         "offload_activations": offload_activations,
-        **(
-            {"preference_loss": preference_loss, "precompute_ref_log_probs": precompute_ref_log_probs}
-            if task == "preference"
-            else {}
-        ),
+        **preference,
         "gpu_tflops": gpu_tflops,
         "pcie_gbps": pcie_gbps,
         "training_flops_per_token": flops_per_token,

@@ -15,7 +15,6 @@ that have moved would give a different reference.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,14 +42,13 @@ def compute(model, rows: list[dict], collate, batch_size: int, device, output_lo
     return torch.cat(values)
 
 
-def load_or_compute(
-    output_dir: str | Path,
-    accelerator,
-    resumed: bool,
-    compute_splits: Callable[[], dict[str, torch.Tensor]],
-) -> dict[str, torch.Tensor]:
-    """{split: [pairs, 2]} from `output_dir`'s file, else from `compute_splits()` on every process
-    (each computes all pairs: no process waits for another's shard), saved by the main process.
+def precompute(
+    output_dir: str | Path, accelerator, resumed: bool, model, splits: dict[str, list[dict]], collate, batch_size: int,
+    output_loss,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """{split: [pairs, 2]} from `output_dir`'s file, else `compute` over each split's tokenized pairs
+    (`chat_data.tokenize_pairs` rows) on every process (each computes all pairs: no process waits
+    for another's shard), saved by the main process.
 
     A resumed run without the file stops with one line: its policy is no longer the reference."""
     from safetensors.torch import load_file, save_file
@@ -64,7 +62,8 @@ def load_or_compute(
             "weights are no longer the reference; copy the file back from the run's first output folder, or start "
             "the run again"
         )
-    values = compute_splits()
+    values = {split: compute(model, rows, collate, batch_size, accelerator.device, output_loss)
+              for split, rows in splits.items()}  # fmt: skip
     if accelerator.is_main_process:
         tmp = path.with_name(f".{FILE}.tmp")
         save_file({k: v.contiguous() for k, v in values.items()}, str(tmp))
@@ -73,17 +72,6 @@ def load_or_compute(
         os.replace(tmp, path)
     accelerator.wait_for_everyone()
     return values
-
-
-def precompute(
-    output_dir: str | Path, accelerator, resumed: bool, model, splits: dict[str, list[dict]], collate, batch_size: int,
-    output_loss,
-) -> dict[str, torch.Tensor]:  # fmt: skip
-    """`load_or_compute` of `compute` over each split's tokenized pairs (`chat_data.tokenize_pairs` rows)."""
-    return load_or_compute(output_dir, accelerator, resumed, lambda: {
-        split: compute(model, rows, collate, batch_size, accelerator.device, output_loss)
-        for split, rows in splits.items()
-    })  # fmt: skip
 
 
 def lookup(values: torch.Tensor, pair_index: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:

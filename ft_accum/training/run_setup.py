@@ -62,8 +62,8 @@ def build_optimizer(
 
     With `loraplus_lr_ratio` (LoRA+, Hayou et al. 2024, arXiv:2402.12354), peft's
     `create_loraplus_optimizer` groups the parameters: the B matrices (and DoRA's magnitudes) at
-    ratio × the LR. Each group keeps its `lr_ratio` to the peak LR, which the LR scaling of an
-    accumulation schedule keeps (accumulation_schedule.set_peak_learning_rate).
+    ratio × the LR. Each of its groups records its `lr_ratio` to the peak LR, which the LR scaling
+    of an accumulation schedule keeps (accumulation_schedule.set_peak_learning_rate; 1 when absent).
     """
 
     def optimizer_for(groups, lr):
@@ -85,16 +85,15 @@ def build_optimizer(
             loraplus_lr_ratio=loraplus_lr_ratio,
             loraplus_weight_decay=args.weight_decay,
         )
-    else:
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for n, p in trainable if not n.endswith(no_decay)], "weight_decay": args.weight_decay},
-            {"params": [p for n, p in trainable if n.endswith(no_decay)], "weight_decay": 0.0},
-        ]
-        optimizer = optimizer_for(groups, learning_rate)
-    for group in optimizer.param_groups:
-        group["lr_ratio"] = group["lr"] / learning_rate
-    return optimizer
+        for group in optimizer.param_groups:
+            group["lr_ratio"] = group["lr"] / learning_rate
+        return optimizer
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in trainable if not n.endswith(no_decay)], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in trainable if n.endswith(no_decay)], "weight_decay": 0.0},
+    ]
+    return optimizer_for(groups, learning_rate)
 
 
 def run_banner(
