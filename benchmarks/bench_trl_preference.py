@@ -82,6 +82,8 @@ def trl_run(loss: str, model_dir: Path, pairs: list[dict], micro: int, accumulat
         gradient_accumulation_steps=accumulation, learning_rate=LEARNING_RATE, optim="sgd",
         lr_scheduler_type="constant", max_grad_norm=1e9, num_train_epochs=1, logging_steps=1, save_strategy="no",
         report_to=[], beta=0.1, use_cpu=True, max_length=512, seed=0, disable_tqdm=True,
+        # TRL's configs default to bf16=True, which autocasts on the CPU too: like for like with ours is fp32.
+        bf16=False,
     )  # fmt: skip
     trainer = Trainer(
         model=model, args=config, train_dataset=Dataset.from_list(pairs),
@@ -92,6 +94,7 @@ def trl_run(loss: str, model_dir: Path, pairs: list[dict], micro: int, accumulat
         trainer.train()
     finally:
         reset_accelerate_state()
+    assert trainer.accelerator.mixed_precision == "no", trainer.accelerator.mixed_precision
     first = next(entry for entry in trainer.state.log_history if "loss" in entry)
     return trainable_vector(model), first
 

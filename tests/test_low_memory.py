@@ -124,11 +124,12 @@ def test_qlora_merge_goes_into_a_bf16_copy_of_the_base(tmp_path, llama_64_dir, l
 
 
 # 8-bit AdamW rounds each moment to one of 256 levels per block of 256. Two runs whose gradients
-# differ by summation order (~1e-7) can round an element's moment to neighbouring levels; that
-# element's update then differs by up to one level of m/√v, 1/127 of the block's largest, so by up
-# to lr/127 per update. Over 3 updates at lr 1e-3 that is 2.4e-5 for an element; the weights' norm
-# moves far less, so 1e-4 relative is the bound, 10× the fp32 one. Loss and gradient norm come
-# before the optimizer and keep the fp32 bound.
+# differ by summation order (~1e-7) can round an element's moments to neighbouring levels: one level
+# of m and one of v, each up to about 1/127 of the step, so an element's update differs by up to
+# about 2·lr/127 per update. Over 3 updates at lr 1e-3 that is 4.7e-5 for an element (2.4e-5 seen
+# with bitsandbytes 0.50.2, just over one level per update); the weights' norm moves far less, so
+# 1e-4 relative is the bound, 10× the fp32 one. Loss and gradient norm come before the optimizer and
+# keep the fp32 bound. A wrong weighting of the micro-batches is ≥ 1e-2 relative.
 ADAMW_8BIT_RTOL = 1e-4
 
 
@@ -146,7 +147,7 @@ def test_8bit_adamw_accumulation_matches_the_full_batch(tmp_path, llama_64_dir, 
     assert_same_updates(runs[2], runs[8])
     ours, reference = full_weights(runs[2]), full_weights(runs[8])
     assert relative_error(ours, reference) <= ADAMW_8BIT_RTOL
-    assert max(float((ours[k] - reference[k]).abs().max()) for k in ours) <= 3 * 1e-3 / 127
+    assert max(float((ours[k] - reference[k]).abs().max()) for k in ours) <= 3 * 2 * 1e-3 / 127
 
 
 def test_stochastic_rounding_8bit_adamw_on_bf16_weights_matches_the_full_batch(tmp_path, llama_64_dir, lm_data_files):
