@@ -90,11 +90,11 @@ def trl_run(loss: str, model_dir: Path, pairs: list[dict], micro: int, accumulat
         processing_class=AutoTokenizer.from_pretrained(model_dir),
     )  # fmt: skip
     trainer._get_train_sampler = lambda *args, **kwargs: SequentialSampler(trainer.train_dataset)
+    assert trainer.accelerator.mixed_precision == "no", trainer.accelerator.mixed_precision
     try:
         trainer.train()
     finally:
         reset_accelerate_state()
-    assert trainer.accelerator.mixed_precision == "no", trainer.accelerator.mixed_precision
     first = next(entry for entry in trainer.state.log_history if "loss" in entry)
     return trainable_vector(model), first
 
