@@ -74,12 +74,6 @@ class TaskArguments(LoraArguments):
     merge_lora: bool = field(
         default=False, metadata={"help": "Also save the base model with the adapter merged into final_merged/."}
     )
-    load_in_4bit: bool = field(
-        default=False,
-        metadata={
-            "help": "QLoRA: freeze the base in NF4 4-bit weights, train LoRA adapters (needs --use_lora, [lowmem])."
-        },
-    )
     chunked_loss: bool = field(
         default=True, metadata={"help": "Loss from the hidden states in chunks, never the full logits (exact)."}
     )
@@ -94,10 +88,6 @@ class TaskArguments(LoraArguments):
             raise ConfigError(f"--block_size must be ≥ 2 (one input and one target token), got {self.block_size}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
-        if self.load_in_4bit and not self.use_lora:
-            raise ConfigError(
-                "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --use_lora"
-            )
 
 
 NO_DECAY = ("bias", "norm.weight", "ln_f.weight", "ln_1.weight", "ln_2.weight")

@@ -77,12 +77,6 @@ class TaskArguments(LoraArguments):
     max_seq_length: int = field(default=256, metadata={"help": "Tokens per conversation (longer: cut, counted)."})
     packing: bool = field(default=False, metadata={"help": "Several conversations per row, without cross-talk."})
     merge_lora: bool = field(default=False, metadata={"help": "Also save the merged model in final_merged/."})
-    load_in_4bit: bool = field(
-        default=False,
-        metadata={
-            "help": "QLoRA: freeze the base in NF4 4-bit weights, train LoRA adapters (needs --use_lora, [lowmem])."
-        },
-    )
     chunked_loss: bool = field(default=True, metadata={"help": "Loss from the hidden states in chunks (exact)."})
     exact_match_max_words: int = field(
         default=1, metadata={"help": "Exact match is scored on eval answers of at most this many words."}
@@ -94,10 +88,6 @@ class TaskArguments(LoraArguments):
         for name in ("max_seq_length", "exact_match_max_words", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
-        if self.load_in_4bit and not self.use_lora:
-            raise ConfigError(
-                "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --use_lora"
-            )
 
 
 NO_DECAY = ("bias", "norm.weight")

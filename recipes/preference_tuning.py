@@ -25,7 +25,7 @@ The settings that matter:
   memory); without, a frozen copy of the starting weights, or with --precompute_ref_log_probs its
   log-probs in one pass before training (one copy). SimPO and ORPO need none.
 - --use_lora (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules) needs peft.
-  Variants: --use_rslora, --use_dora, --loraplus_lr_ratio (LoRA+).
+  Variants: --use_rslora, --use_dora, --loraplus_lr_ratio (LoRA+); --load_in_4bit (QLoRA, an NF4 base).
 
 Outputs in --output_dir: final/ (the model, or the LoRA adapter), metrics.jsonl (one line per
 update, with the window's rewards, reward accuracy and margin), all_results.json,
@@ -111,7 +111,9 @@ def build_model(task, args, accelerator):
         lora.import_peft()  # a missing peft fails before the model loads
     tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
     chat_data.resolve_chat_template(tokenizer, task.chat_template, name)
-    model = run_setup.load_causal_lm(name, args, accelerator, frozen_base=task.use_lora)
+    model = run_setup.load_causal_lm(
+        name, args, accelerator, frozen_base=task.use_lora, load_in_4bit=task.load_in_4bit
+    )
     loading.check_context_length(model.config, task.max_seq_length, "--max_seq_length")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do

@@ -224,6 +224,12 @@ class LoraArguments:
         default=None,
         metadata={"help": "LoRA+: the B matrices learn this many times faster than A (arXiv:2402.12354; 16 there)."},
     )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={
+            "help": "QLoRA: freeze the base in NF4 4-bit weights, train LoRA adapters (needs --use_lora, [lowmem])."
+        },
+    )
 
     def __post_init__(self):
         for name in ("lora_r", "lora_alpha"):
@@ -237,6 +243,10 @@ class LoraArguments:
         variants += ["--loraplus_lr_ratio"] if self.loraplus_lr_ratio is not None else []
         if variants and not self.use_lora:
             raise ConfigError(f"{', '.join(variants)} is a LoRA variant, so it needs --use_lora")
+        if self.load_in_4bit and not self.use_lora:
+            raise ConfigError(
+                "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --use_lora"
+            )
 
 
 def parse_args(
