@@ -60,9 +60,7 @@ def verified_cells() -> dict[str, dict]:
 
 def cell(model, task, seq_len, settings, args):
     """(the table's text, the cell's record for plan_12gb.json or None)."""
-    if settings.get("load_in_4bit") and task == "preference":
-        return "— (4-bit: not in the preference recipe yet)", None
-    if settings.get("load_in_4bit") and task != "causal_lm":
+    if settings.get("load_in_4bit") and task not in ("causal_lm", "preference"):
         return "— (4-bit: the LM recipes)", None
     try:
         result = plan(
