@@ -369,44 +369,28 @@ def test_only_the_optional_kernel_notices_of_the_lowmem_libraries_are_filtered(c
     assert [r.getMessage() for r in caplog.records] == ["a warning that matters"]
 
 
-def test_qlora_dpo_starts_at_ln2_on_one_4bit_model_and_accumulates_exactly(tmp_path, capsys, monkeypatch):
+def test_qlora_dpo_starts_at_ln2_on_one_4bit_model_and_accumulates_exactly(tmp_path, capsys):
     """Preference tuning over an NF4 base: the reference is the 4-bit policy with its adapters off
     (first loss ln 2, no second model built or copied), and (2 × 4) = (8 × 1) on 20 pairs of very
     different lengths, whose last window is short (8 + 8 + 4)."""
-    import copy
     import math
 
-    from transformers import PreTrainedModel
-
-    from ft_accum.testing import make_preference_pairs
+    from ft_accum.testing import counting_causal_lms, make_preference_pairs, preference_args
 
     model_dir = make_tiny_chat_lm(tmp_path / "chat-lm", width=64)
     data = {
         "train": write_jsonl(tmp_path / "train.jsonl", make_preference_pairs(20, seed=5)),
         "validation": write_jsonl(tmp_path / "validation.jsonl", make_preference_pairs(4, seed=6)),
     }
-    built, copied = [], []
-    init, deepcopy = PreTrainedModel.__init__, copy.deepcopy
-    monkeypatch.setattr(
-        PreTrainedModel, "__init__", lambda self, *a, **k: (built.append(type(self).__name__), init(self, *a, **k))[1]
-    )
-    monkeypatch.setattr(copy, "deepcopy", lambda x, *a: (copied.append(type(x).__name__), deepcopy(x, *a))[1])
     runs = {}
-    for micro, accumulation in ((8, 1), (2, 4)):
-        runs[micro] = tmp_path / f"{micro}x{accumulation}"
-        run_in_process(
-            "preference_tuning",
-            [f"--model_name_or_path={model_dir}", f"--train_file={data['train']}",
-             f"--validation_file={data['validation']}", f"--output_dir={runs[micro]}", "--loss=dpo",
-             "--use_lora", "--lora_r=4", "--load_in_4bit", f"--per_device_train_batch_size={micro}",
-             f"--gradient_accumulation_steps={accumulation}", "--optim=sgd", "--learning_rate=0.5",
-             "--max_grad_norm=0", "--num_warmup_steps=0", "--weight_decay=0", "--lr_scaling=none",
-             "--num_train_epochs=1", "--max_seq_length=96", "--seed=3", "--report_to=none"],
-        )  # fmt: skip
+    with counting_causal_lms() as models:
+        for micro, accumulation in ((8, 1), (2, 4)):
+            runs[micro] = tmp_path / f"{micro}x{accumulation}"
+            args = preference_args(model_dir, data, runs[micro], "dpo", True, micro, accumulation, "--load_in_4bit")
+            run_in_process("preference_tuning", args)
     assert "frozen float32/uint8" in capsys.readouterr().out, "the base was not stored in 4 bits"
     assert read_metrics(runs[8])[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    models = [name for name in built if name.endswith("ForCausalLM")]
-    assert models == ["LlamaForCausalLM"] * 2 and not [n for n in copied if n.endswith("ForCausalLM")]
+    assert models == {"built": ["LlamaForCausalLM"] * 2, "copied": []}, models
     assert_same_updates(runs[2], runs[8])
     ours, reference = adapter_weights(runs[2]), adapter_weights(runs[8])
     assert relative_error(ours, reference) <= RTOL

@@ -11,7 +11,14 @@ from conftest import RTOL, copy_checkpoint, launch, read_metrics, run_in_process
 
 from ft_accum.core.preference_loss import pair_terms
 from ft_accum.data import chat_data
-from ft_accum.testing import final_weights, make_preference_pairs, max_abs_difference, relative_error
+from ft_accum.testing import (
+    counting_causal_lms,
+    final_weights,
+    make_preference_pairs,
+    max_abs_difference,
+    preference_args,
+    relative_error,
+)
 
 VARIANTS = [("dpo", True), ("dpo", False), ("simpo", True), ("simpo", False), ("orpo", True), ("orpo", False)]
 
@@ -23,19 +30,6 @@ def pair_files(tmp_path_factory):
         "train": write_jsonl(path / "train.jsonl", make_preference_pairs(13, seed=5)),  # 8 + 5: a short last window
         "validation": write_jsonl(path / "validation.jsonl", make_preference_pairs(5, seed=6)),
     }
-
-
-def preference_args(model_dir, files, output_dir, loss, use_lora, micro, accumulation, *extra):
-    """SGD without clipping, warm-up, decay or LR scaling: an update is linear in its gradient, so a
-    wrong normaliser shows at its full size."""
-    return [
-        f"--model_name_or_path={model_dir}", f"--train_file={files['train']}",
-        f"--validation_file={files['validation']}", f"--output_dir={output_dir}", f"--loss={loss}",
-        f"--per_device_train_batch_size={micro}", f"--gradient_accumulation_steps={accumulation}",
-        "--optim=sgd", "--learning_rate=0.5", "--max_grad_norm=0", "--num_warmup_steps=0", "--weight_decay=0",
-        "--lr_scaling=none", "--num_train_epochs=1", "--max_seq_length=96", "--seed=3", "--report_to=none",
-        *(["--use_lora", "--lora_r=4"] if use_lora else []), *extra,
-    ]  # fmt: skip
 
 
 def test_response_labels_cover_the_response_only_even_after_an_assistant_turn_in_the_prompt(chat_lm_dir):
@@ -129,25 +123,15 @@ def test_the_losses_follow_their_papers():
     assert torch.allclose(orpo.chosen_nll, -pc)
 
 
-def test_lora_dpo_starts_at_ln2_with_one_copy_of_the_model(tmp_path, chat_lm_dir, pair_files, monkeypatch):
+def test_lora_dpo_starts_at_ln2_with_one_copy_of_the_model(tmp_path, chat_lm_dir, pair_files):
     """With LoRA the reference is the policy with its adapters off: the first loss is ln 2 (the
     policy equals its reference), and no second model is built or copied."""
-    import copy
-
-    from transformers import PreTrainedModel
-
-    built, copied = [], []
-    init, deepcopy = PreTrainedModel.__init__, copy.deepcopy
-    monkeypatch.setattr(
-        PreTrainedModel, "__init__", lambda self, *a, **k: (built.append(type(self).__name__), init(self, *a, **k))[1]
-    )
-    monkeypatch.setattr(copy, "deepcopy", lambda x, *a: (copied.append(type(x).__name__), deepcopy(x, *a))[1])
     out = tmp_path / "lora"
-    results = run_in_process("preference_tuning", preference_args(chat_lm_dir, pair_files, out, "dpo", True, 4, 2))
+    with counting_causal_lms() as models:
+        results = run_in_process("preference_tuning", preference_args(chat_lm_dir, pair_files, out, "dpo", True, 4, 2))
     assert read_metrics(out)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert results["initial_eval_reward_margin"] == 0.0
-    models = lambda names: [name for name in names if name.endswith("ForCausalLM")]  # noqa: E731
-    assert models(built) == ["LlamaForCausalLM"] and not models(copied), (built, copied)
+    assert models == {"built": ["LlamaForCausalLM"], "copied": []}, models
     # The report draws the rewards of each update and tabulates the evaluation's.
     from ft_accum.cli.main import main as cli_main
 
@@ -157,32 +141,30 @@ def test_lora_dpo_starts_at_ln2_with_one_copy_of_the_model(tmp_path, chat_lm_dir
     assert "eval_reward_accuracy" in (out / "report" / "report.md").read_text()
 
     # Full fine-tuning keeps a frozen copy, and says so: the same count would catch it.
-    built.clear()
-    run_in_process(
-        "preference_tuning", preference_args(chat_lm_dir, pair_files, tmp_path / "full", "dpo", False, 4, 2)
-    )
-    assert models(built) == ["LlamaForCausalLM"] and models(copied) == ["LlamaForCausalLM"]
+    with counting_causal_lms() as models:
+        run_in_process(
+            "preference_tuning", preference_args(chat_lm_dir, pair_files, tmp_path / "full", "dpo", False, 4, 2)
+        )
+    assert models == {"built": ["LlamaForCausalLM"], "copied": ["LlamaForCausalLM"]}, models
 
 
 @pytest.mark.launch
 def test_precomputed_reference_log_probs_equal_a_frozen_copy_and_resume_from_their_file(
-    tmp_path, chat_lm_dir, pair_files, monkeypatch
+    tmp_path, chat_lm_dir, pair_files
 ):
     """--precompute_ref_log_probs (full DPO): no copy of the model is made; the run at (2 × 4)
     equals the frozen-copy run at (8 × 1) within 1e-5; resumed after its first update from a copy of
     its checkpoint and its log-probs file, it ends bit-identical; without the file, one error line."""
-    import copy
     import shutil
 
     from ft_accum.training.reference_log_probs import FILE
 
-    copied, deepcopy = [], copy.deepcopy
-    monkeypatch.setattr(copy, "deepcopy", lambda x, *a: (copied.append(type(x).__name__), deepcopy(x, *a))[1])
     run = tmp_path / "precomputed"
     args = lambda out, micro, acc, *extra: preference_args(chat_lm_dir, pair_files, out, "dpo", False, micro, acc,  # noqa: E731
                                                           "--checkpointing_steps=1", *extra)  # fmt: skip
-    run_in_process("preference_tuning", args(run, 2, 4, "--precompute_ref_log_probs"))
-    assert not [name for name in copied if name.endswith("ForCausalLM")], copied
+    with counting_causal_lms() as models:
+        run_in_process("preference_tuning", args(run, 2, 4, "--precompute_ref_log_probs"))
+    assert not models["copied"], models
     run_in_process("preference_tuning", args(tmp_path / "frozen_copy", 8, 1))
     ours, theirs = read_metrics(run), read_metrics(tmp_path / "frozen_copy")
     assert [m["samples_seen"] for m in ours] == [8, 13] and ours[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)

@@ -9,6 +9,7 @@ the package (a source checkout), since `recipes/` is a folder of scripts, not a 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -241,6 +242,49 @@ def make_preference_pairs(n: int, seed: int) -> list[dict]:
             chosen, rejected = [{"role": "assistant", "content": chosen}], [{"role": "assistant", "content": rejected}]
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return rows
+
+
+def preference_args(model_dir, files, output_dir, loss, use_lora, micro, accumulation, *extra) -> list[str]:
+    """preference_tuning's flags for an exactness test: SGD without clipping, warm-up, decay or LR
+    scaling, so an update is linear in its gradient and a wrong normaliser shows at its full size."""
+    return [
+        f"--model_name_or_path={model_dir}", f"--train_file={files['train']}",
+        f"--validation_file={files['validation']}", f"--output_dir={output_dir}", f"--loss={loss}",
+        f"--per_device_train_batch_size={micro}", f"--gradient_accumulation_steps={accumulation}",
+        "--optim=sgd", "--learning_rate=0.5", "--max_grad_norm=0", "--num_warmup_steps=0", "--weight_decay=0",
+        "--lr_scaling=none", "--num_train_epochs=1", "--max_seq_length=96", "--seed=3", "--report_to=none",
+        *(["--use_lora", "--lora_r=4"] if use_lora else []), *extra,
+    ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def counting_causal_lms():
+    """Inside the block, record each causal LM built (`PreTrainedModel.__init__`) and each one copied
+    (`copy.deepcopy`), by class name: {"built": [...], "copied": [...]}. A run that says it keeps one
+    model in memory must build one and copy none."""
+    import copy
+    from unittest import mock
+
+    from transformers import PreTrainedModel
+
+    seen = {"built": [], "copied": []}
+    init, deepcopy = PreTrainedModel.__init__, copy.deepcopy
+
+    def counted_init(self, *args, **kwargs):
+        if type(self).__name__.endswith("ForCausalLM"):
+            seen["built"].append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    def counted_deepcopy(x, *args):
+        if type(x).__name__.endswith("ForCausalLM"):
+            seen["copied"].append(type(x).__name__)
+        return deepcopy(x, *args)
+
+    with (
+        mock.patch.object(PreTrainedModel, "__init__", counted_init),
+        mock.patch.object(copy, "deepcopy", counted_deepcopy),
+    ):
+        yield seen
 
 
 def make_tiny_chat_lm(path: Path, width: int = 32) -> Path:
