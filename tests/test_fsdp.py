@@ -175,8 +175,9 @@ def test_the_graceful_stop_under_fsdp(tmp_path, full_fine_tuning, tiny_llama_dir
     resume = (out / "resume_command.txt").read_text().strip()
     assert resume.startswith("ACCELERATE_USE_CPU=true ft-accum launch --config_file ")
     env["FT_ACCUM_SLOW_UPDATE_SECONDS"] = "0"
-    subprocess.run(["bash", "-c", resume], env={**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"},
-                   cwd=ROOT, check=True, capture_output=True, timeout=600)  # fmt: skip
+    resumed = subprocess.run(["bash", "-c", resume], env={**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"},
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, (resumed.returncode, resumed.stdout[-3000:], resumed.stderr[-3000:])
     assert json.loads((out / "all_results.json").read_text())["distributed_type"] == "FSDP"
     assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(root / "fsdp")]
     ours, theirs = final_weights(out), final_weights(root / "fsdp")
