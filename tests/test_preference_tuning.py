@@ -191,6 +191,13 @@ def test_precomputed_reference_log_probs_equal_a_frozen_copy_and_resume_from_the
         )
 
 
+# What differs under DDP is run on 2 processes: DPO's two references (the LoRA model with its adapters
+# off inside the DDP wrapper, and a frozen copy outside it) and ORPO's NLL term, divided by the
+# window's chosen tokens summed over the processes. SimPO's loss is per pair like DPO's, with no
+# reference: its split windows run in this process only.
+TWO_PROCESSES = {("dpo", True), ("dpo", False), ("orpo", False)}
+
+
 @pytest.mark.launch
 @pytest.mark.parametrize("loss, use_lora", VARIANTS, ids=lambda v: str(v))
 def test_split_windows_and_two_ddp_processes_equal_the_full_batch(tmp_path, chat_lm_dir, pair_files, loss, use_lora):
@@ -204,16 +211,17 @@ def test_split_windows_and_two_ddp_processes_equal_the_full_batch(tmp_path, chat
             "preference_tuning", preference_args(chat_lm_dir, pair_files, out, loss, use_lora, micro, accumulation)
         )
         runs[f"{micro}x{accumulation}"] = out
-    result = launch(
-        "preference_tuning",
-        preference_args(chat_lm_dir, pair_files, tmp_path / "ddp", loss, use_lora, 2, 2),
-        num_processes=2,
-    )
-    assert result.returncode == 0 and "2 processes" in result.stdout, result.stderr[-3000:]
-    runs["ddp"] = tmp_path / "ddp"
+    if (loss, use_lora) in TWO_PROCESSES:
+        result = launch(
+            "preference_tuning",
+            preference_args(chat_lm_dir, pair_files, tmp_path / "ddp", loss, use_lora, 2, 2),
+            num_processes=2,
+        )
+        assert result.returncode == 0 and "2 processes" in result.stdout, result.stderr[-3000:]
+        runs["ddp"] = tmp_path / "ddp"
     full, full_metrics = final_weights(runs["8x1"]), read_metrics(runs["8x1"])
     assert [m["samples_seen"] for m in full_metrics] == [8, 13]
-    for key in ("2x4", "ddp"):
+    for key in set(runs) - {"8x1"}:
         metrics = read_metrics(runs[key])
         assert [m["samples_seen"] for m in metrics] == [8, 13], key
         assert relative_error(final_weights(runs[key]), full) <= RTOL, (
