@@ -98,7 +98,7 @@ def test_the_hooks_see_each_process_own_micro_batch_gradient_under_ddp(tmp_path,
     """2 processes × micro 2 × accumulation 2 and 1 process × micro 2 × accumulation 4 cut each
     window into the same four micro-batches. If the hooks saw DDP's averaged gradient on the sync
     micro-batch, the mean |g_b|² of the two runs would differ."""
-    from conftest import launch, read_metrics, tiny_args
+    from conftest import launch, read_metrics, run_in_process, tiny_args
 
     launch(
         "text_classification",
@@ -113,7 +113,7 @@ def test_the_hooks_see_each_process_own_micro_batch_gradient_under_ddp(tmp_path,
         ),
         num_processes=2,
     )
-    launch(
+    run_in_process(  # the one-process run needs no launcher: the launch under test is the DDP one
         "text_classification",
         tiny_args(
             tiny_model_dir,

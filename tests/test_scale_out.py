@@ -14,6 +14,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -51,12 +52,10 @@ def test_ddp_with_sync_each_batch_matches_one_full_batch_process(tmp_path, tiny_
 @pytest.mark.parametrize(
     "config_name, cpu, expected",
     [
+        # Real launches: what the launcher sets from each config (ACCELERATE_USE_FSDP, WORLD_SIZE) is
+        # what the check reads. The FSDP config without ACCELERATE_USE_CPU is refused by the same
+        # WORLD_SIZE check as the DDP one: test_an_fsdp_launch_without_gpus_is_refused_naming_fsdp.
         ("fsdp.yaml", True, "the Accelerate config asks for FSDP, but this launch would run MULTI_CPU"),
-        (
-            "fsdp.yaml",
-            False,
-            "accelerate launch started 2 processes for FSDP, but each one runs alone (NO, 1 process)",
-        ),
         (
             "multi_gpu_ddp.yaml",
             False,
@@ -80,6 +79,28 @@ def test_a_config_runs_the_engine_it_names_or_is_refused_naming_it(
     if config_name == "multi_gpu_ddp.yaml":  # a DDP config's refusal must not talk of FSDP or DeepSpeed
         assert not {"FSDP", "DeepSpeed"} & set(output.split(expected)[1].splitlines()[0].split())
     assert not (tmp_path / "out" / "all_results.json").exists()
+
+
+def test_an_fsdp_launch_without_gpus_is_refused_naming_fsdp(monkeypatch):
+    """What each of the 2 processes of `accelerate launch --config_file fsdp.yaml` sees on a CPU
+    machine (a stand-in Accelerator): WORLD_SIZE 2 from torchrun, ACCELERATE_USE_FSDP from the
+    config, and a plain one-process run."""
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate.utils import DistributedType
+
+    from ft_accum.core.errors import ConfigError
+    from ft_accum.training.run_outputs import check_accelerator
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    alone = SimpleNamespace(
+        mixed_precision="no", device=torch.device("cpu"), num_processes=1, distributed_type=DistributedType.NO
+    )
+    expected = "accelerate launch started 2 processes for FSDP, but each one runs alone (NO, 1 process)"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        check_accelerator(alone)
 
 
 def test_deepspeed_refuses_token_weighted_losses_and_warns_about_the_short_window(monkeypatch):
