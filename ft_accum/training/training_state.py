@@ -364,5 +364,8 @@ class RunTracker:
             **metrics,
             **extras,
         )
+        # Every process leaves the group together: destroy_process_group is local, and a rank that
+        # exits while another still writes can tear gloo down under it.
+        self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         return results
