@@ -6,9 +6,11 @@ same seed, on CPU, for 1 and 2 processes; and `metrics.jsonl` then holds every u
 """
 
 import contextlib
+import json
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import time
@@ -72,6 +74,19 @@ def uninterrupted(tmp_path_factory, dropout_model_dir, data):
 
 
 FAULT_HOOKS = Path(__file__).parent / "fault_hooks"
+
+
+def crashed_after(run_dir: Path, step: int, output_dir: Path) -> Path:
+    """What a run killed right after update `step` leaves: its checkpoints up to `step` and the
+    metrics logged so far, copied from an uninterrupted run of the same settings."""
+    for checkpoint in checkpointing.list_checkpoints(run_dir):
+        if int(checkpoint.name.split("_")[1]) <= step:
+            shutil.copytree(checkpoint, output_dir / "checkpoints" / checkpoint.name)
+    logged = [
+        line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= step
+    ]
+    (output_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in logged))
+    return output_dir
 
 
 def start(args: list[str], num_processes: int = 1, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -162,9 +177,7 @@ def test_three_seeded_kills_then_resume_is_bit_identical(tmp_path, dropout_model
 def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_completes(
     tmp_path, dropout_model_dir, data, uninterrupted
 ):
-    out = tmp_path / "run"
-    process = start(tiny_args(dropout_model_dir, data, out, **COMMON))
-    kill_when(process, lambda: completed_updates(out) >= 10, "update 10")
+    out = crashed_after(uninterrupted, 10, tmp_path / "run")  # SIGKILL itself: the three-kills test
     newest = checkpointing.latest_checkpoint(out)
     weights = newest / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # what a full disk leaves
@@ -206,9 +219,7 @@ def test_a_failed_checkpoint_write_stops_with_a_clear_error_and_keeps_the_previo
     tmp_path, dropout_model_dir, data, uninterrupted
 ):
     """A disk that fills up mid-save, simulated with RLIMIT_FSIZE: writes past the limit fail with EFBIG."""
-    out = tmp_path / "run"
-    process = start(tiny_args(dropout_model_dir, data, out, **COMMON))
-    kill_when(process, lambda: completed_updates(out) >= 3, "update 3")
+    out = crashed_after(uninterrupted, 3, tmp_path / "run")
     previous = checkpointing.latest_checkpoint(out)
     model_bytes = (previous / "model.safetensors").stat().st_size
     before = checkpointing.checkpoint_problem(previous)

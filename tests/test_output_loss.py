@@ -137,9 +137,10 @@ def test_under_bf16_autocast_the_chunked_loss_runs_the_head_in_bf16_like_the_mod
 
 
 def test_the_chunked_step_keeps_far_fewer_bytes_alive_than_the_logits_path():
-    """The planner's tracker on the real tensors of one step: a 49k-entry vocabulary, 4 × 512 tokens."""
+    """The planner's tracker on the real tensors of one step: a 49k-entry vocabulary, 4 × 512 tokens
+    (three chunks of the output layer); 128 wide, since the width scales the time, not the logits."""
     config = memory_planner.load_model_config("gpt2-124m")
-    config.n_layer, config.vocab_size = 1, 49152
+    config.n_layer, config.vocab_size, config.n_embd, config.n_head = 1, 49152, 128, 2
     peaks = {}
     for loss_path in ("chunked", "logits", "model"):
         forward_backward, _ = memory_planner.trace_phases(
