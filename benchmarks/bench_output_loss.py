@@ -37,10 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 LOSS_PATHS = ("model", "logits", "chunked")
 
 
-def memory(models, micro_batches, seq_len) -> list[dict]:
+def memory(models, micro_batches, seq_len, layers: int | None = None) -> list[dict]:
     rows = []
     for name in models:
         config = memory_planner.load_model_config(name)
+        if layers:
+            config.num_hidden_layers = layers
         for checkpointing in (False, True):
             traced = {
                 path: memory_planner.trace_micro_batches(
@@ -93,11 +95,17 @@ def loss_time(vocab: int, tokens: int, hidden_size: int, repeats: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="GPT-2 at 256 tokens, one small vocabulary: a smoke test")
+    parser.add_argument(
+        "--quick", action="store_true", help="GPT-2 cut to 1 layer at 256 tokens, one small vocabulary: a smoke test"
+    )
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "output_loss.json")
     args = parser.parse_args()
     if args.quick:
-        results = {"quick": True, "memory": memory(["gpt2-124m"], [1, 2], 256), "time": [loss_time(4096, 256, 64, 1)]}
+        results = {
+            "quick": True,
+            "memory": memory(["gpt2-124m"], [1, 2], 256, layers=1),
+            "time": [loss_time(4096, 256, 64, 1)],
+        }
     else:
         results = {
             "quick": False,
