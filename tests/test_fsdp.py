@@ -24,7 +24,6 @@ from conftest import (
     RECIPES,
     ROOT,
     assert_same_run,
-    copy_checkpoint,
     final_weights,
     free_port,
     make_documents,
@@ -111,14 +110,9 @@ def test_full_fine_tuning_under_fsdp_matches_one_process(full_fine_tuning):
     assert_same_run(root / "fsdp", root / "one")
 
 
-def test_lora_under_fsdp_matches_one_process(tmp_path, tiny_llama_dir, documents, fsdp_config):
-    run_in_process("causal_lm", lm_args(tiny_llama_dir, documents, tmp_path / "one", 8, use_lora=True))
-    fsdp_launch(fsdp_config, "causal_lm", lm_args(tiny_llama_dir, documents, tmp_path / "fsdp", 2, use_lora=True),
-                tmp_path / "fsdp")  # fmt: skip
-    assert_same_run(tmp_path / "fsdp", tmp_path / "one")
-
-
 def test_instruction_tuning_lora_under_fsdp_matches_one_process(tmp_path, fsdp_config):
+    """LoRA under FSDP (adapters sharded with the frozen base), on the instruction recipe's
+    assistant-only token counts; the causal-LM recipe's LoRA is the same peft wrapping."""
     model = make_tiny_chat_lm(tmp_path / "model")
     data = {"train": write_jsonl(tmp_path / "train.jsonl", make_conversations(13, seed=3)),
             "validation": write_jsonl(tmp_path / "val.jsonl", make_conversations(4, seed=4))}  # fmt: skip
@@ -132,24 +126,11 @@ def test_instruction_tuning_lora_under_fsdp_matches_one_process(tmp_path, fsdp_c
     assert_same_run(tmp_path / "fsdp", tmp_path / "one")
 
 
-def test_a_sharded_checkpoint_resumes_bit_identically(
-    tmp_path, full_fine_tuning, tiny_llama_dir, documents, fsdp_config
-):
-    root, settings = full_fine_tuning
-    checkpoint = root / "fsdp" / "checkpoints" / "step_000008"
-    assert any(p.name.startswith("pytorch_model_fsdp") for p in checkpoint.iterdir()), "not a sharded checkpoint"
-    resumed = copy_checkpoint(root / "fsdp", 8, tmp_path / "resumed")
-    fsdp_launch(fsdp_config, "causal_lm", lm_args(tiny_llama_dir, documents, resumed, 2, resume_from_checkpoint="latest",
-                                                  **settings), resumed)  # fmt: skip
-    assert [r["step"] for r in read_metrics(resumed)] == list(range(9, 19))
-    ours, theirs = final_weights(resumed), final_weights(root / "fsdp")
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
-
-
 def test_the_graceful_stop_under_fsdp(tmp_path, full_fine_tuning, tiny_llama_dir, documents, fsdp_config):
     """killpg(SIGTERM) through ft-accum launch: both ranks stop at the same update, the sharded
-    checkpoint is complete when the launcher returns, and the saved command resumes to the same
-    final weights as the uninterrupted FSDP run, bit for bit."""
+    checkpoint is complete when the launcher returns, and the saved command resumes from it to the
+    same final weights as the uninterrupted FSDP run, bit for bit (the resume of a sharded
+    checkpoint: a periodic one is written by the same save)."""
     root, settings = full_fine_tuning
     out = tmp_path / "stopped"
     args = lm_args(tiny_llama_dir, documents, out, 2, **{**settings, "checkpointing_steps": None})
@@ -170,6 +151,8 @@ def test_the_graceful_stop_under_fsdp(tmp_path, full_fine_tuning, tiny_llama_dir
     assert [p.parent.name for p in (out / "checkpoints").glob("step_*/training_state.json")] == [
         f"step_{stopped_at:06d}"
     ]
+    checkpoint = out / "checkpoints" / f"step_{stopped_at:06d}"
+    assert any(p.name.startswith("pytorch_model_fsdp") for p in checkpoint.iterdir()), "not a sharded checkpoint"
     assert "Traceback" not in (tmp_path / "log").read_text()
 
     resume = (out / "resume_command.txt").read_text().strip()
