@@ -21,11 +21,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import yaml
-from conftest import CPU_CONFIG, ROOT, final_weights, launch_command, read_metrics, tiny_args
+from conftest import CPU_CONFIG, ROOT, final_weights, launch_command, read_metrics, run_in_process, tiny_args
 
 from ft_accum.training import graceful_stop
 from ft_accum.training.graceful_stop import resume_command
@@ -131,11 +132,14 @@ def test_the_saved_resume_command_continues_bit_identically_in_the_same_precisio
     bf16_config.write_text(yaml.safe_dump(config))
     settings = {"max_train_steps": 60, "num_train_epochs": 10}
 
-    reference = tmp_path / "reference"
-    cmd, env = launch_command(
-        "text_classification", run_args(tiny_model_dir, data_files, reference, **settings), config_file=bf16_config
-    )
-    subprocess.run(cmd, env=env, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    reference = tmp_path / "reference"  # uninterrupted, in this process: bf16 as the config's launch sets it
+    with mock.patch.dict(os.environ, {"ACCELERATE_MIXED_PRECISION": "bf16"}):
+        assert (
+            run_in_process("text_classification", run_args(tiny_model_dir, data_files, reference, **settings))[
+                "mixed_precision"
+            ]
+            == "bf16"
+        )
 
     out = tmp_path / "stopped"
     process, log = start(run_args(tiny_model_dir, data_files, out, **settings), config_file=bf16_config)
