@@ -227,7 +227,9 @@ def punctuation_example(text: str) -> tuple[list[str], list[str]]:
     words, tags = [], []
     for raw in text.split():
         trailing = raw.rstrip("\"')]")
-        word = "".join(c for c in raw.lower().strip("\"'()[],.;:!?") if c.isprintable())
+        word = raw.lower().strip("\"'()[],.;:!?")
+        if not word.isprintable():  # rare: one pass over the characters only then
+            word = "".join(c for c in word if c.isprintable())
         if word:
             words.append(word)
             tags.append(_PUNCTUATION.get(trailing[-1:], "O"))
