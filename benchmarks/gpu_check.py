@@ -185,14 +185,19 @@ def lm_args(model_dir: Path, block: int, micro: int, accumulation: int, updates:
     ]
 
 
+def shrink_for_dry_run(gpt2_config) -> None:
+    """GPT-2 cut to one 64-wide layer of 64 positions, with the tokenizer's vocabulary: --dry_run's stand-in."""
+    gpt2_config.n_layer, gpt2_config.n_embd, gpt2_config.n_head, gpt2_config.n_positions = 1, 64, 2, 64
+    gpt2_config.vocab_size = DRY_RUN_VOCAB
+
+
 def check_planner(models: Path, dry_run: bool) -> list[dict]:
     from ft_accum.planner.memory_planner import load_model_config, trace_micro_batches
 
     config = load_model_config("gpt2-124m")
     block, micros = 1024, [1, 4, 8]
     if dry_run:
-        config.n_layer, config.n_embd, config.n_head, config.n_positions = 1, 64, 2, 64
-        config.vocab_size = DRY_RUN_VOCAB
+        shrink_for_dry_run(config)
         block, micros = 64, [2]
     model_dir = random_model_dir(config, "causal_lm", models / "gpt2-planner")
     rows = []
@@ -465,8 +470,7 @@ def check_throughput(models: Path, dry_run: bool) -> list[dict]:
     config = load_model_config("gpt2-124m")
     micro, accumulation, updates, block = 8, 4, 12, 1024
     if dry_run:
-        config.n_layer, config.n_embd, config.n_head, config.n_positions = 1, 64, 2, 64
-        config.vocab_size = DRY_RUN_VOCAB
+        shrink_for_dry_run(config)
         micro, accumulation, updates, block = 2, 2, 5, 64
     model_dir = random_model_dir(config, "causal_lm", models / "gpt2-throughput")
     rows = packed_rows(model_dir, block, micro * accumulation * updates)

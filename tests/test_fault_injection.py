@@ -6,7 +6,6 @@ same seed, on CPU, for 1 and 2 processes; and `metrics.jsonl` then holds every u
 """
 
 import contextlib
-import json
 import os
 import random
 import resource
@@ -31,6 +30,7 @@ from conftest import (
 
 from ft_accum.cli.sweep import process_tree
 from ft_accum.training import checkpointing
+from ft_accum.training.run_outputs import truncate_metrics
 
 pytestmark = pytest.mark.launch
 
@@ -82,10 +82,8 @@ def crashed_after(run_dir: Path, step: int, output_dir: Path) -> Path:
     for checkpoint in checkpointing.list_checkpoints(run_dir):
         if int(checkpoint.name.split("_")[1]) <= step:
             shutil.copytree(checkpoint, output_dir / "checkpoints" / checkpoint.name)
-    logged = [
-        line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= step
-    ]
-    (output_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in logged))
+    shutil.copy(run_dir / "metrics.jsonl", output_dir / "metrics.jsonl")
+    truncate_metrics(output_dir, step)  # the recipe's own trim, as a resume does
     return output_dir
 
 
