@@ -44,6 +44,22 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
+# pytest runs on every core (`-n auto`, pyproject.toml): one xdist worker per core, each single-threaded,
+# and so is every process a test launches. Two workers with two OpenMP threads each would fight for
+# the cores (spinning OpenMP threads slow down sharply when oversubscribed).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: the cores this process may run on (a container's cpuset included), at most 4; none
+    (no workers, the tests in this process) on a single core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, 4) if cores >= 2 else 0
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
@@ -115,3 +131,9 @@ def error_of(recipe: str, args: list[str]) -> str:
     message = str(exit_info.value.code)
     assert message.startswith("error: ") and "\n" not in message, message
     return message
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """The long tests (marked `launch`) first, each file's in their order: xdist's workers then end on
+    short tests, not one of them on a minute-long launch while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("launch") is None)

@@ -155,9 +155,10 @@ def launch_command(
         cmd = [*prefix, "--config_file", str(config_file or CPU_CONFIG)]
     else:
         # `--cpu --num_processes 2` silently runs one process in accelerate 1.15; this runs two
-        # (torchrun, DistributedType.MULTI_CPU, gloo). The cores are shared out, not oversubscribed.
-        threads = max(1, (os.cpu_count() or 1) // num_processes)
-        env |= {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": str(threads)}
+        # (torchrun, DistributedType.MULTI_CPU, gloo). The cores are shared out, not oversubscribed
+        # (a thread count already set, as under the suite's xdist workers, is kept).
+        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // num_processes))
+        env |= {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": threads}
         cmd = [
             *prefix,
             "--multi_gpu",
