@@ -32,7 +32,7 @@ def args_for(model_dir: Path, packing: bool, quick: bool) -> list[str]:
         "--max_seq_length=512",
         "--per_device_train_batch_size=8",
         "--gradient_accumulation_steps=2",
-        f"--max_train_samples={96 if quick else 320}",
+        f"--max_train_samples={32 if quick else 320}",
         "--max_eval_samples=4",
         "--max_new_tokens=1",
         "--learning_rate=1e-3",

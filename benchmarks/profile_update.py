@@ -108,13 +108,15 @@ def profile_loop(name: str, model_dir: Path, updates: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a 1-layer, 32-wide model, 3 updates: a smoke test")
+    parser.add_argument(
+        "--quick", action="store_true", help="a 1-layer, 32-wide model, 2 updates (1 measured): a smoke test"
+    )
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "profile_update.json")
     args = parser.parse_args()
     bench = load_script(ROOT / "benchmarks" / "bench_loop_overhead.py")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bench.build_model_dir("lm", args.quick, Path(tmp) / "lm")
-        updates = 3 if args.quick else 7
+        updates = 2 if args.quick else 7
         results = {name: profile_loop(name, model_dir, updates) for name in ("plain", "recipe, logits", "recipe")}
     for name, row in results.items():
         print(f"{name}: {row['ms_per_update']:.0f} ms/update, {row['host_syncs_per_update']:.1f} host syncs/update")

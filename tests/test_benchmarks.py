@@ -24,6 +24,7 @@ def load_run_all():
     return module
 
 
+@pytest.mark.launch
 def test_run_all_quick_writes_every_section(tmp_path):
     run_all = load_run_all()
     (tmp_path / "README.md").write_text(
@@ -75,6 +76,7 @@ def run_script(name: str, *args: str, capsys=None) -> str:
     return capsys.readouterr().out if capsys else ""
 
 
+@pytest.mark.launch
 def test_output_loss_profile_and_packing_benchmarks_run_quick(tmp_path):
     run_script("bench_output_loss.py", "--quick", "--output", str(tmp_path / "output_loss.json"))
     results = json.loads((tmp_path / "output_loss.json").read_text())

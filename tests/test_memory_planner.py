@@ -167,6 +167,7 @@ def test_plan_recommends_the_fastest_split_that_fits(tmp_path):
     assert not faster_fitting
 
 
+@pytest.mark.launch
 def test_plan_cli_offline_with_a_config_file_and_json(tmp_path, capsys):
     config_file = tmp_path / "config.json"
     config_file.write_text(tiny_gpt2().to_json_string())
@@ -384,6 +385,7 @@ def test_training_flops_are_6n_per_token_and_4n_with_a_frozen_base(tied):
     assert mp.training_flops_per_token(config, "causal_lm", trains_base_weights=False) == 4 * matmul
 
 
+@pytest.mark.launch
 def test_the_plan_offloads_only_where_a_split_does_not_fit_without_it_and_the_copies_pay():
     config, settings = tiny_llama(4), {"task": "causal_lm", "seq_len": 256, "effective_batch_size": 8}
     kept = mp.plan(config, gpu_memory_gib=1000, **settings)["candidates"]

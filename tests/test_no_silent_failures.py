@@ -208,6 +208,7 @@ def wait_for(condition, process, seconds=300):
         time.sleep(0.05)
 
 
+@pytest.mark.launch
 def test_one_run_per_output_folder_and_kill_9_frees_it(tmp_path, tiny_model_dir, data_files):
     """Silent failure 4: two runs in one folder both exited 0 with interleaved metrics and checkpoints."""
     out = tmp_path / "run"

@@ -42,6 +42,7 @@ def load_final(output_dir):
     return load_file(str(output_dir / "final" / "model.safetensors"))
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130)])  # through the launcher: test_launcher_stop.py
 def test_a_signal_exits_with_128_plus_its_number_after_saving(tmp_path, tiny_model_dir, data_files, signum, code):
     out = tmp_path / "run"

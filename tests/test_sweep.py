@@ -220,6 +220,7 @@ def test_time_budget_parsing():
     assert sweep_module.parse_duration(90) == 90
 
 
+@pytest.mark.launch
 def test_a_second_sweep_on_a_busy_folder_refuses_with_the_holders_pid(tmp_path, tiny_model_dir, data_files):
     """One sweep per output folder: a second would queue the same runs and rewrite sweep_state.json."""
     path = write_sweep(tmp_path, tiny_model_dir, data_files, grid={"learning_rate": [1e-3]})
