@@ -49,6 +49,28 @@ def test_linear_cross_entropy_matches_the_unchunked_loss_and_gradients(with_bias
     assert got[0][0, 10:].abs().max() == 0  # padding gets no gradient
 
 
+def test_without_grad_mode_the_chunked_loss_computes_no_gradients():
+    """Evaluation and DPO's reference pass run under torch.no_grad(), where an autograd Function's
+    needs_input_grad still says True: the loss must then run one matmul per chunk (the logits), not
+    three (with the gradients of h and W), and hold no fp32 copy of the output layer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(40, 16).requires_grad_(), torch.randn(50, 16).requires_grad_()
+    labels = torch.randint(0, 50, (40,))
+    with torch.no_grad(), CountMatmuls() as counted:
+        loss, _ = linear_cross_entropy_sum(hidden, weight, None, labels, logits_per_chunk=500)  # 10 rows a chunk
+    assert counted.count == 4  # the logits of 4 chunks, nothing else
+    assert torch.equal(loss, linear_cross_entropy_sum(hidden, weight, None, labels, logits_per_chunk=500)[0])
+
+
 def test_causal_lm_output_loss_equals_the_logits_loss_with_padding(tmp_path, accelerator):
     model = AutoModelForCausalLM.from_pretrained(make_tiny_lm("llama", tmp_path))
     model.config.tie_word_embeddings = True  # a tied output layer: two gradient paths into one weight

@@ -40,7 +40,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """Σ CE(hidden Wᵀ + bias, targets), its gradients computed chunk by chunk in the forward pass."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, is_target, chunk_size):
+    def forward(ctx, hidden, weight, bias, targets, is_target, chunk_size, grad_enabled):
+        # forward runs with grad mode off, and needs_input_grad ignores the caller's torch.no_grad():
+        # without `grad_enabled` (the caller's mode) an evaluation or a DPO reference pass would
+        # compute both gradients, and hold an fp32 copy of the output layer, for nothing.
+        needs_grad = ctx.needs_input_grad[:3] if grad_enabled else (False, False, False)
         device_type = hidden.device.type
         # The dtype the output layer would run in: autocast's, or the weights' own.
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
@@ -48,9 +52,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             h, w = hidden.to(dtype), weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-            grad_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-            grad_b = torch.zeros_like(bias, dtype=torch.float32) if ctx.needs_input_grad[2] else None
+            grad_h = torch.empty_like(hidden) if needs_grad[0] else None
+            grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs_grad[1] else None
+            grad_b = torch.zeros_like(bias, dtype=torch.float32) if needs_grad[2] else None
             for start in range(0, len(h), chunk_size):
                 end = start + chunk_size
                 h_chunk, y, keep = h[start:end], targets[start:end], is_target[start:end].float()
@@ -88,6 +92,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -116,6 +121,7 @@ def linear_cross_entropy_sum(
         flat_labels.masked_fill(~is_target, 0),
         is_target,
         max(1, logits_per_chunk // weight.shape[0]),
+        torch.is_grad_enabled(),
     )
     return loss, is_target.sum()
 
