@@ -35,8 +35,9 @@ bitsandbytes, the [lowmem] extra: carry its wheel to a GPU machine that lacks it
 are never used: they live in managed memory, and asking for more than the card has free can hang
 it. If the whole run would pass 8 minutes, split it: `--checks 1,2,4,5`, then `--checks 3`.
 
---dry_run runs checks 1 (fp32), 2, 3 (on tiny stand-in cells) and 4 (one round, no extras) on this
-machine's CPU with tiny settings, to test the script without a GPU; its figures say nothing about GPUs.
+--dry_run runs checks 1 (fp32, its two runs in this process rather than launched), 2, 3 (on tiny
+stand-in cells) and 4 (one round, no extras) on this machine's CPU with tiny settings, to test the
+script without a GPU; its figures say nothing about GPUs.
 """
 
 import argparse
@@ -77,22 +78,26 @@ def dropout_free_minilm(path: Path) -> Path:
     return path
 
 
-def launch_with_config(config: str, args: list[str], output_dir: Path) -> dict:
+def launch_with_config(config: str, args: list[str], output_dir: Path, in_process: bool = False) -> dict:
     import subprocess
 
-    from ft_accum.testing import launch_command
+    from ft_accum.testing import launch_command, run_in_process
 
-    cmd, env = launch_command(
-        "text_classification", [*args, f"--output_dir={output_dir}", "--report_to=none"],
-        config_file=ROOT / "accelerate_configs" / config,
-    )  # fmt: skip
+    args = [*args, f"--output_dir={output_dir}", "--report_to=none"]
+    if in_process:  # --dry_run: the same fp32 run in this process (the tests launch the recipe elsewhere)
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+        run_in_process("text_classification", args)
+        return json.loads((output_dir / "all_results.json").read_text())
+    cmd, env = launch_command("text_classification", args, config_file=ROOT / "accelerate_configs" / config)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads((output_dir / "all_results.json").read_text())
 
 
-def check_mixed_precision(model_dir: Path, precisions, updates: int, seq_len: int) -> list[dict]:
+def check_mixed_precision(
+    model_dir: Path, precisions, updates: int, seq_len: int, in_process: bool = False
+) -> list[dict]:
     from ft_accum.testing import final_weights, relative_error
 
     rows = []
@@ -115,11 +120,13 @@ def check_mixed_precision(model_dir: Path, precisions, updates: int, seq_len: in
                 config,
                 [*common, "--per_device_train_batch_size=8", "--gradient_accumulation_steps=1"],
                 Path(out) / "full",
+                in_process,
             )
             launch_with_config(
                 config,
                 [*common, "--per_device_train_batch_size=2", "--gradient_accumulation_steps=4"],
                 Path(out) / "accumulated",
+                in_process,
             )
             error = relative_error(final_weights(Path(out) / "accumulated"), final_weights(Path(out) / "full"))
         rows.append(
@@ -547,7 +554,11 @@ def main():
         if 1 in checks:
             precisions = ["no"] if args.dry_run else ["no", "bf16", "fp16"]
             rows += check_mixed_precision(
-                minilm, precisions, updates=2 if args.dry_run else 6, seq_len=32 if args.dry_run else 128
+                minilm,
+                precisions,
+                updates=2 if args.dry_run else 6,
+                seq_len=32 if args.dry_run else 128,
+                in_process=args.dry_run,
             )
         if 2 in checks:
             rows += check_planner(models, dry_run=args.dry_run)
