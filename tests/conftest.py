@@ -134,6 +134,18 @@ def error_of(recipe: str, args: list[str]) -> str:
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """The long tests (marked `launch`) first, each file's in their order: xdist's workers then end on
-    short tests, not one of them on a minute-long launch while the other waits."""
-    items.sort(key=lambda item: item.get_closest_marker("launch") is None)
+    """Each xdist worker's share starts with its part of the long tests (marked `launch`), then short
+    ones. xdist's worksteal hands worker j the j-th of k equal slices of this list, and an idle worker
+    steals from the end of another's: so the workers end on short tests, not one of them on a
+    minute-long launch while the other waits."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    slow = [item for item in items if item.get_closest_marker("launch")]
+    fast = [item for item in items if not item.get_closest_marker("launch")]
+    ordered, remaining = [], len(items)
+    for worker in range(workers):
+        size = remaining // (workers - worker)  # the slice xdist sends this worker (check_schedule)
+        share, take = slow[worker::workers], max(0, size - len(slow[worker::workers]))
+        ordered += share + fast[:take]
+        fast = fast[take:]
+        remaining -= size
+    items[:] = ordered + fast
