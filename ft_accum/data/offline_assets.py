@@ -141,7 +141,6 @@ def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     and renamed, so an interrupted conversion leaves nothing half-written.
     """
     import os
-    import shutil
 
     gguf_path = _installed_dir(
         SMOLLM2_DISTRIBUTION,
@@ -154,6 +153,21 @@ def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     target = cache_root / f"smollm2-135m-instruct-{SMOLLM2_GGUF_SHA256[:12]}-v2"
     if (target / "model.safetensors").is_file():
         return target
+    from filelock import FileLock  # a dependency of datasets and huggingface_hub
+
+    cache_root.mkdir(parents=True, exist_ok=True)
+    # One conversion at a time: a second run started meanwhile (a sweep, DDP processes, parallel tests)
+    # waits for it instead of converting the same 135M weights again. flock: released if the holder dies.
+    with FileLock(str(cache_root / f"{target.name}.lock")):
+        if (target / "model.safetensors").is_file():
+            return target
+        return _convert_smollm2(gguf_path, target, cache_root)
+
+
+def _convert_smollm2(gguf_path: Path, target: Path, cache_root: Path) -> Path:
+    import os
+    import shutil
+
     found = sha256_of(gguf_path)
     if found != SMOLLM2_GGUF_SHA256:
         raise ConfigError(
