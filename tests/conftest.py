@@ -144,7 +144,8 @@ def pytest_collection_modifyitems(items) -> None:
     ordered, remaining = [], len(items)
     for worker in range(workers):
         size = remaining // (workers - worker)  # the slice xdist sends this worker (check_schedule)
-        share, take = slow[worker::workers], max(0, size - len(slow[worker::workers]))
+        share = slow[worker::workers]
+        take = max(0, size - len(share))
         ordered += share + fast[:take]
         fast = fast[take:]
         remaining -= size
