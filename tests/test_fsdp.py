@@ -34,7 +34,7 @@ from conftest import (
     write_jsonl,
 )
 
-from ft_accum.testing import make_conversations, make_tiny_chat_lm
+from ft_accum.testing import make_conversations, make_tiny_chat_lm, run_with_stack_dump
 
 pytestmark = pytest.mark.launch
 FAULT_HOOKS = Path(__file__).parent / "fault_hooks"
@@ -66,7 +66,7 @@ def fsdp_command(config: Path, recipe: str, args: list[str], launcher: str = "ac
 
 def fsdp_launch(config: Path, recipe: str, args: list[str], out: Path) -> dict:
     cmd, env = fsdp_command(config, recipe, args)
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = run_with_stack_dump(cmd, env, timeout=300, cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-5000:]}"
     assert "FSDP (sharded parameters, gradients and optimizer state), 2 processes" in result.stdout
     results = json.loads((out / "all_results.json").read_text())

@@ -15,12 +15,13 @@
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import yaml
 from conftest import RECIPES, ROOT, assert_same_run, free_port, launch, run_in_process, tiny_args
+
+from ft_accum.testing import run_with_stack_dump
 
 pytestmark = pytest.mark.launch
 
@@ -73,7 +74,7 @@ def test_a_config_runs_the_engine_it_names_or_is_refused_naming_it(
                str(free_port()), str(RECIPES / "text_classification.py"),
                *tiny_args(tiny_model_dir, data_files, tmp_path / "out", max_train_steps=1)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"} | ({"ACCELERATE_USE_CPU": "true"} if cpu else {})
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = run_with_stack_dump(command, env, timeout=300, cwd=ROOT)
     output = result.stderr + result.stdout
     assert result.returncode != 0 and f"error: {expected}" in output, output[-3000:]
     if config_name == "multi_gpu_ddp.yaml":  # a DDP config's refusal must not talk of FSDP or DeepSpeed

@@ -15,6 +15,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -131,9 +132,49 @@ def run_in_process(name: str, args: list[str]) -> dict:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a launch's rendezvous, below Linux's ephemeral range (32768+), in a block of its
+    own for each pytest-xdist worker. A port the OS hands out (`bind(0)`) can be handed out again to a
+    test running at the same time in another worker, or taken meanwhile by a gloo connection: two
+    launches then meet on one rendezvous store."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    block = 20000 + 1000 * (int(worker) % 12 if worker.isdigit() else 0)
+    for port in random.sample(range(block, block + 1000), 1000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {block}–{block + 999}")
+
+
+def run_with_stack_dump(cmd: list[str], env: dict, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)`, but a run that hangs past `timeout` fails
+    with each of its Python processes' stacks (faulthandler on SIGABRT) instead of a bare timeout.
+    The signal goes to every descendant: torchrun starts its workers in sessions of their own."""
+    import psutil  # an Accelerate dependency
+
+    process = subprocess.Popen(
+        cmd, env=env | {"PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = [*psutil.Process(process.pid).children(recursive=True), psutil.Process(process.pid)]
+        for member in tree:  # workers first, so their stacks print before the launcher's ends them
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.send_signal(signal.SIGABRT)
+        try:
+            stdout, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            for member in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    member.kill()
+            stdout, stderr = process.communicate()
+        raise AssertionError(
+            f"hung for {timeout} s: {cmd}\nstacks on SIGABRT:\n{stdout[-3000:]}\n{stderr[-20000:]}"
+        ) from None
+    return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
 
 
 def launch_command(
@@ -179,7 +220,7 @@ def launch_command(
 
 def launch(name: str, args: list[str], num_processes: int = 1, check: bool = True) -> subprocess.CompletedProcess:
     cmd, env = launch_command(name, args, num_processes)
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = run_with_stack_dump(cmd, env, timeout=300, cwd=ROOT)
     if check and result.returncode != 0:
         raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
