@@ -15,7 +15,7 @@ from ft_accum.testing import reset_accelerate_state
 
 
 def rel(a, b):
-    return float((a - b).norm() / b.norm())
+    return float((a - b).detach().norm() / b.detach().norm())
 
 
 @pytest.fixture()
@@ -95,6 +95,52 @@ def test_causal_lm_output_loss_equals_the_logits_loss_with_padding(tmp_path, acc
 
     rows, row_counts = loss_fn.per_row(model, labels, input_ids=ids, attention_mask=mask)
     assert row_counts.sum() == count and abs(rows.sum().item() - reference.item()) / reference.item() <= 1e-6
+
+
+def test_per_row_losses_run_the_head_on_each_rows_target_span_only(tmp_path, accelerator):
+    """A preference loss weighs each sequence's log-probability by its own coefficient: each row's loss
+    and the gradient of a weighted sum must equal the logits path's, while the output layer sees only
+    the positions from each row's first target to its last (not its prompt, padding, or a row with no
+    target at all)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HeadRows(TorchDispatchMode):  # the positions the output layer computes logits for
+        def __init__(self, vocab):
+            super().__init__()
+            self.vocab, self.rows = vocab, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[-1] == self.vocab:
+                self.rows += out.shape[0]
+            return out
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_lm("llama", tmp_path))
+    torch.manual_seed(2)
+    ids = torch.randint(3, model.config.vocab_size, (4, 20))
+    mask = torch.ones_like(ids)
+    mask[0, 14:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :6] = -100  # a prompt
+    labels[2] = -100  # a row with no target
+    labels[3, 9:12] = -100  # a gap inside the span: still computed, not counted
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.tensor([0.5, -1.5, 2.0, 0.25])
+
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    reference = torch.stack([causal_lm_loss_sum(logits[i : i + 1], labels[i : i + 1])[0] for i in range(4)])
+    expected = torch.autograd.grad((weights * reference).sum(), params)
+    loss_fn = OutputLoss(model, shift=True, accelerator=accelerator, check_logits=False)
+    with HeadRows(model.config.vocab_size) as head:
+        rows, counts = loss_fn.rows(model, labels, input_ids=ids, attention_mask=mask)
+    got = torch.autograd.grad((weights * rows).sum(), params)
+
+    targets = shift_labels(labels)
+    assert counts.tolist() == (targets != -100).sum(1).tolist() and counts[2] == 0
+    assert rel(rows, reference) <= 1e-6
+    assert max(rel(g, e) for g, e in zip(got, expected)) <= 1e-5
+    # spans after the shift: rows 0 and 1 from position 5 to 13 and 19 (exclusive), row 3 from 5 to 19
+    assert head.rows == (13 - 5) + (19 - 5) + 0 + (19 - 5)
 
 
 def test_seq2seq_output_loss_equals_the_logits_loss(accelerator):

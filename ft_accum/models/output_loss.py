@@ -126,6 +126,18 @@ def linear_cross_entropy_sum(
     return loss, is_target.sum()
 
 
+def target_spans(targets: torch.Tensor, ignore_index: int = -100) -> list[tuple[int, int]]:
+    """Each row's [first target, last target + 1) (an empty span for a row with none). A preference
+    pair's or a chat's prompt and padding are most of its positions, and none needs logits. Reading
+    the bounds costs one host sync per batch: `OutputLoss`'s per-row path, a Python loop over rows
+    already, trims its rows with it; the batch path keeps its mask (no sync)."""
+    is_target = targets != ignore_index
+    positions = torch.arange(targets.shape[1], device=targets.device)
+    first = torch.where(is_target, positions, targets.shape[1]).amin(1)
+    end = torch.where(is_target, positions + 1, 0).amax(1)
+    return [(start, max(start, stop)) for start, stop in torch.stack([first, end], 1).tolist()]
+
+
 class OutputLoss:
     """The summed loss of a model's output layer over its target tokens, chunked where that is exact.
 
@@ -222,8 +234,10 @@ class OutputLoss:
         else:
             hidden, targets = self.hidden_states(model, **inputs), self._targets(labels)
             rows = [
-                linear_cross_entropy_sum(hidden[i], self.layer.weight, self.layer.bias, targets[i])
-                for i in range(len(labels))
+                linear_cross_entropy_sum(
+                    hidden[i, start:end], self.layer.weight, self.layer.bias, targets[i, start:end]
+                )
+                for i, (start, end) in enumerate(target_spans(targets))
             ]
         return torch.stack([loss for loss, _ in rows]), torch.stack([n for _, n in rows])
 
