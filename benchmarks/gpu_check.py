@@ -478,7 +478,7 @@ def check_throughput(models: Path, dry_run: bool) -> list[dict]:
     micro, accumulation, updates, block = 8, 4, 12, 1024
     if dry_run:
         shrink_for_dry_run(config)
-        micro, accumulation, updates, block = 2, 2, 5, 64
+        micro, accumulation, updates, block = 2, 2, 3, 64  # a smoke test: rates, not figures
     model_dir = random_model_dir(config, "causal_lm", models / "gpt2-throughput")
     rows = packed_rows(model_dir, block, micro * accumulation * updates)
     loops = {"plain": run_plain, "trainer": run_trainer, "recipe": run_recipe}
