@@ -2,6 +2,7 @@
 batch, with LoRA and in full, on pairs whose responses differ 5× and more in length, with a short
 last window, and under 2 real DDP processes on rows that do not divide evenly (issue 28)."""
 
+import json
 import math
 
 import pytest
@@ -191,13 +192,6 @@ def test_precomputed_reference_log_probs_equal_a_frozen_copy_and_resume_from_the
         )
 
 
-# What differs under DDP is run on 2 processes: DPO's two references (the LoRA model with its adapters
-# off inside the DDP wrapper, and a frozen copy outside it) and ORPO's NLL term, divided by the
-# window's chosen tokens summed over the processes. SimPO's loss is per pair like DPO's, with no
-# reference: its split windows run in this process only.
-TWO_PROCESSES = {("dpo", True), ("dpo", False), ("orpo", False)}
-
-
 @pytest.mark.launch
 @pytest.mark.parametrize("loss, use_lora", VARIANTS, ids=lambda v: str(v))
 def test_split_windows_and_two_ddp_processes_equal_the_full_batch(tmp_path, chat_lm_dir, pair_files, loss, use_lora):
@@ -211,14 +205,17 @@ def test_split_windows_and_two_ddp_processes_equal_the_full_batch(tmp_path, chat
             "preference_tuning", preference_args(chat_lm_dir, pair_files, out, loss, use_lora, micro, accumulation)
         )
         runs[f"{micro}x{accumulation}"] = out
-    if (loss, use_lora) in TWO_PROCESSES:
-        result = launch(
-            "preference_tuning",
-            preference_args(chat_lm_dir, pair_files, tmp_path / "ddp", loss, use_lora, 2, 2),
-            num_processes=2,
-        )
-        assert result.returncode == 0 and "2 processes" in result.stdout, result.stderr[-3000:]
-        runs["ddp"] = tmp_path / "ddp"
+    # Each variant on 2 processes: DPO's two references (the LoRA model with its adapters off inside
+    # the DDP wrapper, and a frozen copy outside it), ORPO's NLL term divided by the window's chosen
+    # tokens summed over the processes, SimPO's length-normalised rewards of uneven shards.
+    result = launch(
+        "preference_tuning",
+        preference_args(chat_lm_dir, pair_files, tmp_path / "ddp", loss, use_lora, 2, 2),
+        num_processes=2,
+    )
+    assert result.returncode == 0 and "2 processes" in result.stdout, result.stderr[-3000:]
+    assert json.loads((tmp_path / "ddp" / "all_results.json").read_text())["num_processes"] == 2
+    runs["ddp"] = tmp_path / "ddp"
     full, full_metrics = final_weights(runs["8x1"]), read_metrics(runs["8x1"])
     assert [m["samples_seen"] for m in full_metrics] == [8, 13]
     for key in set(runs) - {"8x1"}:
