@@ -149,9 +149,17 @@ class OutputLoss:
     """
 
     def __init__(
-        self, unwrapped_model, *, shift: bool, accelerator=None, enabled: bool = True, check_logits: bool = True
+        self,
+        unwrapped_model,
+        *,
+        shift: bool,
+        accelerator=None,
+        enabled: bool = True,
+        check_logits: bool = True,
+        trim_to_targets: bool = True,
     ):
         self.shift = shift
+        self.trim_to_targets = trim_to_targets  # per-row losses over each row's target span only (target_spans)
         self.layer = unwrapped_model.get_output_embeddings()
         self.hidden: torch.Tensor | None = None
         distributed = getattr(accelerator, "distributed_type", None)
@@ -233,11 +241,12 @@ class OutputLoss:
             rows = [self._full_logits_loss(logits[i : i + 1], labels[i : i + 1]) for i in range(len(labels))]
         else:
             hidden, targets = self.hidden_states(model, **inputs), self._targets(labels)
+            spans = target_spans(targets) if self.trim_to_targets else [(0, targets.shape[1])] * len(targets)
             rows = [
                 linear_cross_entropy_sum(
                     hidden[i, start:end], self.layer.weight, self.layer.bias, targets[i, start:end]
                 )
-                for i, (start, end) in enumerate(target_spans(targets))
+                for i, (start, end) in enumerate(spans)
             ]
         return torch.stack([loss for loss, _ in rows]), torch.stack([n for _, n in rows])
 

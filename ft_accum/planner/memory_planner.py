@@ -273,8 +273,10 @@ def training_step(model, batch: dict, task: str, loss: str = "chunked", referenc
         return model(**batch).loss
     from ft_accum.models.output_loss import OutputLoss
 
-    # check_logits=False: fake tensors have no values to check against the logits.
-    loss_fn = OutputLoss(model, shift=task != "seq2seq", enabled=loss == "chunked", check_logits=False)
+    # Fake tensors have no values: nothing to check against the logits, and no target spans to trim
+    # the per-row losses to (whole rows: what a row with targets to its end costs, an upper bound).
+    settings = {"enabled": loss == "chunked", "check_logits": False, "trim_to_targets": False}
+    loss_fn = OutputLoss(model, shift=task != "seq2seq", **settings)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     if task == "seq2seq":
         inputs["decoder_input_ids"] = batch["labels"]
@@ -285,9 +287,7 @@ def training_step(model, batch: dict, task: str, loss: str = "chunked", referenc
                 with model.disable_adapter():
                     loss_fn.per_row(model, batch["labels"], **inputs)
             else:
-                OutputLoss(reference, shift=True, enabled=loss == "chunked", check_logits=False).per_row(
-                    reference, batch["labels"], **inputs
-                )
+                OutputLoss(reference, shift=True, **settings).per_row(reference, batch["labels"], **inputs)
     return loss_sum / batch["labels"].numel()
 
 
