@@ -134,8 +134,9 @@ def run_in_process(name: str, args: list[str]) -> dict:
 def free_port() -> int:
     """A free port for a launch's rendezvous, below Linux's ephemeral range (32768+), in a block of its
     own for each pytest-xdist worker. A port the OS hands out (`bind(0)`) can be handed out again to a
-    test running at the same time in another worker, or taken meanwhile by a gloo connection: two
-    launches then meet on one rendezvous store."""
+    test running at the same time in another worker, or taken meanwhile by a gloo connection. A
+    shared port is one suspect, not a proven cause, of a DDP launch that hung once under xdist
+    (docs/tests.md)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     block = 20000 + 1000 * (int(worker) % 12 if worker.isdigit() else 0)
     for port in random.sample(range(block, block + 1000), 1000):
