@@ -22,6 +22,7 @@ from ft_accum.testing import (  # noqa: F401  (re-exported for the test modules)
     free_port,
     launch,
     launch_command,
+    launch_runs,
     load_recipe,
     make_documents,
     make_rows,

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import RTOL, copy_checkpoint, launch, read_metrics, run_in_process, write_jsonl
+from conftest import RTOL, copy_checkpoint, launch_runs, read_metrics, run_in_process, write_jsonl
 
 from ft_accum.core.preference_loss import pair_terms
 from ft_accum.data import chat_data
@@ -193,44 +193,48 @@ def test_precomputed_reference_log_probs_equal_a_frozen_copy_and_resume_from_the
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("loss, use_lora", VARIANTS, ids=lambda v: str(v))
-def test_split_windows_and_two_ddp_processes_equal_the_full_batch(tmp_path, chat_lm_dir, pair_files, loss, use_lora):
-    """(8 × 1) = (2 × 4) = 2 processes × (2 × 2), through `accelerate launch`: 13 pairs leave a short
-    last window of 5 pairs (micro-batches of 2, 2 and 1 at 2 × 4; 3 pairs on process 0 and 2 on
-    process 1, whose second micro-batch is only Accelerate's repeats); responses differ 5× and more."""
-    runs = {}
-    for micro, accumulation in ((8, 1), (2, 4)):
-        out = tmp_path / f"{micro}x{accumulation}"
-        run_in_process(
-            "preference_tuning", preference_args(chat_lm_dir, pair_files, out, loss, use_lora, micro, accumulation)
-        )
-        runs[f"{micro}x{accumulation}"] = out
-    # Each variant on 2 processes: DPO's two references (the LoRA model with its adapters off inside
+@pytest.mark.parametrize("use_lora", [True, False], ids=["lora", "full"])
+def test_split_windows_and_two_ddp_processes_equal_the_full_batch(tmp_path, chat_lm_dir, pair_files, use_lora):
+    """(8 × 1) = (2 × 4) = 2 processes × (2 × 2) for DPO, SimPO and ORPO, through `accelerate launch`:
+    13 pairs leave a short last window of 5 pairs (micro-batches of 2, 2 and 1 at 2 × 4; 3 pairs on
+    process 0 and 2 on process 1, whose second micro-batch is only Accelerate's repeats); responses
+    differ 5× and more. The three DDP runs share one launch (ft_accum/testing/recipe_runs.py)."""
+    losses = [loss for loss, lora in VARIANTS if lora == use_lora]
+    runs = {loss: {} for loss in losses}
+    for loss in losses:
+        for micro, accumulation in ((8, 1), (2, 4)):
+            out = tmp_path / loss / f"{micro}x{accumulation}"
+            run_in_process(
+                "preference_tuning",
+                preference_args(chat_lm_dir, pair_files, out, loss, use_lora, micro, accumulation),
+            )
+            runs[loss][f"{micro}x{accumulation}"] = out
+    # Each loss on 2 processes: DPO's two references (the LoRA model with its adapters off inside
     # the DDP wrapper, and a frozen copy outside it), ORPO's NLL term divided by the window's chosen
     # tokens summed over the processes, SimPO's length-normalised rewards of uneven shards.
-    result = launch(
+    result = launch_runs(
         "preference_tuning",
-        preference_args(chat_lm_dir, pair_files, tmp_path / "ddp", loss, use_lora, 2, 2),
+        [preference_args(chat_lm_dir, pair_files, tmp_path / loss / "ddp", loss, use_lora, 2, 2) for loss in losses],
         num_processes=2,
+        work_dir=tmp_path,
     )
-    assert result.returncode == 0 and "2 processes" in result.stdout, result.stderr[-3000:]
-    assert json.loads((tmp_path / "ddp" / "all_results.json").read_text())["num_processes"] == 2
-    runs["ddp"] = tmp_path / "ddp"
-    full, full_metrics = final_weights(runs["8x1"]), read_metrics(runs["8x1"])
-    assert [m["samples_seen"] for m in full_metrics] == [8, 13]
-    for key in set(runs) - {"8x1"}:
-        metrics = read_metrics(runs[key])
-        assert [m["samples_seen"] for m in metrics] == [8, 13], key
-        assert relative_error(final_weights(runs[key]), full) <= RTOL, (
-            key,
-            relative_error(final_weights(runs[key]), full),
-        )
-        for ours, theirs in zip(metrics, full_metrics):
-            assert ours["loss"] == pytest.approx(theirs["loss"], rel=RTOL), key
-            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL), key
-            assert ours["reward_accuracy"] == theirs["reward_accuracy"], key
-            # a difference of two rewards of ~1: its relative error is not what fp32 summation order bounds
-            assert ours["reward_margin"] == pytest.approx(theirs["reward_margin"], abs=1e-5), key
+    assert result.stdout.count("2 processes") >= len(losses), result.stdout[-3000:]
+    for loss in losses:
+        runs[loss]["ddp"] = tmp_path / loss / "ddp"
+        assert json.loads((runs[loss]["ddp"] / "all_results.json").read_text())["num_processes"] == 2
+        full, full_metrics = final_weights(runs[loss]["8x1"]), read_metrics(runs[loss]["8x1"])
+        assert [m["samples_seen"] for m in full_metrics] == [8, 13]
+        for key in ("2x4", "ddp"):
+            metrics = read_metrics(runs[loss][key])
+            assert [m["samples_seen"] for m in metrics] == [8, 13], (loss, key)
+            error = relative_error(final_weights(runs[loss][key]), full)
+            assert error <= RTOL, (loss, key, error)
+            for ours, theirs in zip(metrics, full_metrics):
+                assert ours["loss"] == pytest.approx(theirs["loss"], rel=RTOL), (loss, key)
+                assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL), (loss, key)
+                assert ours["reward_accuracy"] == theirs["reward_accuracy"], (loss, key)
+                # a difference of two rewards of ~1: its relative error is not what fp32 summation order bounds
+                assert ours["reward_margin"] == pytest.approx(theirs["reward_margin"], abs=1e-5), (loss, key)
 
 
 def test_window_totals_are_known_before_the_window_and_the_short_last_window_still_syncs_once():

@@ -227,6 +227,20 @@ def launch(name: str, args: list[str], num_processes: int = 1, check: bool = Tru
     return result
 
 
+def launch_runs(name: str, runs: list[list[str]], num_processes: int, work_dir: Path) -> subprocess.CompletedProcess:
+    """Several runs of one recipe in one real launch (ft_accum/testing/recipe_runs.py): each process
+    imports everything once instead of once per run. Fails, with the output, if any run fails."""
+    runs_file = Path(work_dir) / "runs.json"
+    runs_file.write_text(json.dumps([["--config=none", *args] for args in runs]))
+    cmd, env = launch_command(name, [], num_processes)
+    script = cmd.index(str(RECIPES / f"{name}.py"))
+    cmd = [*cmd[:script], str(Path(__file__).with_name("recipe_runs.py")), name, str(runs_file)]
+    result = run_with_stack_dump(cmd, env, timeout=300 * len(runs), cwd=ROOT)
+    if result.returncode != 0:
+        raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """‖a − b‖ / ‖b‖ over all parameters together."""
     assert a.keys() == b.keys()

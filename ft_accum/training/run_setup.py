@@ -146,8 +146,9 @@ def run_banner(
     )
 
 
-def reset_accelerate_state() -> None:
+def reset_accelerate_state(keep_process_group: bool = False) -> None:
     """Forget Accelerate's process-wide singletons, so that the next recipe in this process starts clean.
+    With `keep_process_group`, the next `Accelerator` joins the same distributed group (PartialState).
 
     Accelerate has no public way: its own tests call these private `_reset_state` methods. This is the
     one place that does, for `ft-accum check` and every test and benchmark;
@@ -155,7 +156,7 @@ def reset_accelerate_state() -> None:
     """
     from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(True)
+    AcceleratorState._reset_state(reset_partial_state=not keep_process_group)
     GradientState._reset_state()
 
 

@@ -1,0 +1,42 @@
+"""`accelerate launch [options] ft_accum/testing/recipe_runs.py <recipe name> RUNS.json`: several
+runs of one recipe in one launch, one after another, in the same processes.
+
+RUNS.json is a list of argument lists, each what `recipes/<name>.py` would be given on the command
+line. Every process of the launch imports torch, transformers and the recipe once (about 8 s of CPU
+each, most of a tiny test run), instead of once per run; the suite's DDP equivalence tests of one
+recipe's variants share a launch this way (docs/tests.md).
+
+Between runs, Accelerate's state is reset except its process group: each run builds a new
+`Accelerator` on the launch's DDP group. A recipe leaves the group at the end of each run
+(`Accelerator.end_training`); here only the last run does. Re-creating the default group in the
+same torchrun job would rendezvous again on the agent's store, under the keys the first group left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from unittest import mock
+
+
+def run_all(name: str, runs: list[list[str]]) -> None:
+    from accelerate.state import PartialState
+
+    from ft_accum.testing import load_recipe
+    from ft_accum.training.run_setup import reset_accelerate_state
+
+    recipe = load_recipe(name)
+    for number, argv in enumerate(runs, start=1):
+        last = number == len(runs)
+        keep_group = mock.patch.object(PartialState, "destroy_process_group", lambda self, group=None: None)
+        with contextlib.nullcontext() if last else keep_group:
+            recipe.main(argv)  # an error leaves with SystemExit, as the recipe alone would
+        if not last:
+            reset_accelerate_state(keep_process_group=True)
+
+
+if __name__ == "__main__":
+    name, runs_path = sys.argv[1:]
+    run_all(name, json.loads(Path(runs_path).read_text()))
