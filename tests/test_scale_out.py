@@ -1,8 +1,7 @@
 """Scale-out on real engines, on CPU.
 
-- DDP (MULTI_CPU over gloo) with Accelerate's `sync_each_batch`: gradients are reduced after every
-  micro-batch instead of only at the window's last (accelerate#2531: under FSDP it saves the
-  window's unsharded gradients); the update must stay the full-batch one.
+- DDP (MULTI_CPU over gloo), with and without Accelerate's `sync_each_batch`, on rows that do not
+  divide: tests/test_text_classification.py (one launch for its DDP runs).
 - FSDP on 2 CPU processes (gloo): torch's FSDP2 runs on CPU, but Accelerate 1.15 turns its FSDP
   plugin on only for GPU process groups. The product therefore refuses an FSDP config on CPU in
   one line (it would silently run DDP), and the tests switch the plugin on with a test-only hook
@@ -12,42 +11,17 @@
   processes that would each train alone; refused in one line that names the config's engine.
 """
 
-import json
 import os
 import re
 import sys
 
 import pytest
 import yaml
-from conftest import RECIPES, ROOT, assert_same_run, free_port, launch, run_in_process, tiny_args
+from conftest import RECIPES, ROOT, free_port, tiny_args
 
 from ft_accum.testing import run_with_stack_dump
 
 pytestmark = pytest.mark.launch
-
-
-def test_ddp_with_sync_each_batch_matches_one_full_batch_process(tmp_path, tiny_model_dir, data_files):
-    run_in_process(
-        "text_classification",
-        tiny_args(
-            tiny_model_dir, data_files, tmp_path / "full", per_device_train_batch_size=8, gradient_accumulation_steps=1
-        ),
-    )
-    launch(
-        "text_classification",
-        tiny_args(
-            tiny_model_dir,
-            data_files,
-            tmp_path / "ddp",
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            sync_each_batch=True,
-        ),
-        num_processes=2,
-    )
-    results = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
-    assert results["distributed_type"] == "MULTI_CPU" and results["num_processes"] == 2, results
-    assert_same_run(tmp_path / "ddp", tmp_path / "full")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import torch
 from conftest import (
     assert_same_run,
     final_weights,
-    launch,
+    launch_runs,
     make_rows,
     read_metrics,
     relative_error,
@@ -65,31 +65,51 @@ def test_effective_batch_size_derives_the_accumulation(tmp_path, tiny_model_dir,
 def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(tmp_path, tiny_model_dir, data_files):
     """41 rows in windows of 2 micro × 2 accumulation × 2 processes: the last window holds one row,
     so Accelerate pads process 0's micro-batch and gives process 1 only repeated rows. Each
-    update, the last included, must be the single-process update of the same rows."""
+    update, the last included, must be the single-process update of the same rows, also with
+    Accelerate's `sync_each_batch` (gradients reduced after every micro-batch, not only the
+    window's last; accelerate#2531: under FSDP it saves the window's unsharded gradients).
+
+    The same launch (ft_accum/testing/recipe_runs.py: each process imports everything once) runs
+    the gradient-noise hooks under DDP (test_noise_scale.py holds their other tests): 2 processes
+    × micro 2 × accumulation 2 and 1 process × micro 2 × accumulation 4 cut each window into the
+    same four micro-batches. If the hooks saw DDP's averaged gradient on the sync micro-batch, the
+    mean |g_b|² of the two runs would differ."""
     settings = {"max_train_samples": 41, "optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}
+    noise = {"per_device_train_batch_size": 2, "measure_noise_scale": True, "max_train_steps": 3}
     run_in_process(
         "text_classification",
         tiny_args(tiny_model_dir, data_files, tmp_path / "one", per_device_train_batch_size=8, **settings),
     )
-    result = launch(
+    run_in_process(  # the one-process runs need no launcher: the launch under test is the DDP one
         "text_classification",
-        tiny_args(
-            tiny_model_dir,
-            data_files,
-            tmp_path / "ddp",
-            per_device_train_batch_size=2,
-            effective_batch_size=8,
-            **settings,
-        ),
-        num_processes=2,
+        tiny_args(tiny_model_dir, data_files, tmp_path / "noise_one", gradient_accumulation_steps=4, **noise),
     )
-    results = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
-    assert results["num_processes"] == 2, "accelerate launch started one process, not two"
-    assert results["gradient_accumulation_steps"] == 2
+    ddp = {"per_device_train_batch_size": 2, "effective_batch_size": 8, **settings}
+    result = launch_runs(
+        "text_classification",
+        [
+            tiny_args(tiny_model_dir, data_files, tmp_path / "ddp", **ddp),
+            tiny_args(tiny_model_dir, data_files, tmp_path / "sync_each_batch", sync_each_batch=True, **ddp),
+            tiny_args(tiny_model_dir, data_files, tmp_path / "noise_ddp", gradient_accumulation_steps=2, **noise),
+        ],
+        num_processes=2,
+        work_dir=tmp_path,
+    )
     assert "2 micro × 2 accumulation × 2 processes = 8 samples per update" in result.stdout
-    assert [m["samples_seen"] for m in read_metrics(tmp_path / "ddp")] == [8, 16, 24, 32, 40, 41]
-    assert_same_run(tmp_path / "ddp", tmp_path / "one")
-    assert_schedule_ends_at_the_last_update(tmp_path / "ddp")
+    for run in ("ddp", "sync_each_batch", "noise_ddp"):
+        results = json.loads((tmp_path / run / "all_results.json").read_text())
+        assert results["num_processes"] == 2, f"{run}: accelerate launch started one process, not two"
+        assert results["distributed_type"] == "MULTI_CPU", results
+    for run in ("ddp", "sync_each_batch"):
+        assert json.loads((tmp_path / run / "all_results.json").read_text())["gradient_accumulation_steps"] == 2
+        assert [m["samples_seen"] for m in read_metrics(tmp_path / run)] == [8, 16, 24, 32, 40, 41]
+        assert_same_run(tmp_path / run, tmp_path / "one")
+        assert_schedule_ends_at_the_last_update(tmp_path / run)
+    noise_ddp, noise_one = read_metrics(tmp_path / "noise_ddp"), read_metrics(tmp_path / "noise_one")
+    assert len(noise_ddp) == len(noise_one) == 3
+    for a, b in zip(noise_ddp, noise_one):
+        assert a["grad_sq_small"] == pytest.approx(b["grad_sq_small"], rel=1e-5)
+        assert a["grad_sq_big"] == pytest.approx(b["grad_sq_big"], rel=1e-5)
 
 
 def assert_schedule_ends_at_the_last_update(out):
