@@ -93,6 +93,12 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_64_dir(tmp_path_factory) -> Path:
+    """A tiny Llama 64 wide: bitsandbytes' CPU kernels need layers of at least one 64-weight block."""
+    return make_tiny_lm("llama", tmp_path_factory.mktemp("tiny-llama-64"), width=64)
+
+
+@pytest.fixture(scope="session")
 def chat_lm_dir(tmp_path_factory) -> Path:
     """A tiny Llama with SmolLM2-135M-Instruct's real tokenizer and chat template."""
     return make_tiny_chat_lm(tmp_path_factory.mktemp("tiny-chat-lm"))

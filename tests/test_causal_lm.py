@@ -5,6 +5,7 @@ summation order (~1e-7 relative). The naive mean-of-means method on the same dat
 than 1e-2, which each exactness test checks as its control.
 """
 
+import importlib.util
 import json
 import sys
 
@@ -15,7 +16,7 @@ from conftest import (
     RTOL,
     assert_same_run,
     error_of,
-    launch,
+    launch_runs,
     make_documents,
     read_metrics,
     run_in_process,
@@ -152,31 +153,45 @@ def test_recipe_accumulation_matches_the_full_batch(tmp_path, tiny_gpt2_dir, lm_
 
 
 @pytest.mark.launch
-def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(tmp_path, tiny_gpt2_dir, lm_data_files):
+def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(
+    tmp_path, tiny_gpt2_dir, llama_64_dir, lm_data_files
+):
     """17 documents in windows of 2 micro × 2 accumulation × 2 processes: the last window holds one
-    document, so process 1 gets only the rows Accelerate repeats to even out the batches."""
+    document, so process 1 gets only the rows Accelerate repeats to even out the batches.
+
+    The same launch (ft_accum/testing/recipe_runs.py: each process imports everything once) runs
+    QLoRA under DDP: a 4-bit base with 8-bit AdamW and checkpointing, against one process taking the
+    whole batch at once (test_low_memory.py holds the other low-memory tests)."""
     settings = {"max_train_samples": 17, "optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}
     run_in_process(
         "causal_lm",
         tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path / "one", per_device_train_batch_size=8, **settings),
     )
-    result = launch(
-        "causal_lm",
-        tiny_lm_args(
-            tiny_gpt2_dir,
-            lm_data_files,
-            tmp_path / "ddp",
-            per_device_train_batch_size=2,
-            effective_batch_size=8,
-            **settings,
-        ),
-        num_processes=2,
-    )
-    results = json.loads((tmp_path / "ddp" / "all_results.json").read_text())
-    assert results["num_processes"] == 2, "accelerate launch started one process, not two"
+    split = {"per_device_train_batch_size": 2, "effective_batch_size": 8}
+    runs = {"ddp": tiny_lm_args(tiny_gpt2_dir, lm_data_files, tmp_path / "ddp", **split, **settings)}
+    qlora = importlib.util.find_spec("bitsandbytes") is not None  # the [lowmem] extra
+    if qlora:
+        low_memory = {"use_lora": True, "load_in_4bit": True, "optim": "adamw_8bit", "gradient_checkpointing": True,
+                      "learning_rate": 1e-2}  # fmt: skip
+        run_in_process(
+            "causal_lm",
+            tiny_lm_args(llama_64_dir, lm_data_files, tmp_path / "qlora_one", per_device_train_batch_size=8,
+                         **low_memory),
+        )  # fmt: skip
+        runs["qlora_ddp"] = tiny_lm_args(llama_64_dir, lm_data_files, tmp_path / "qlora_ddp", **split, **low_memory)
+    result = launch_runs("causal_lm", list(runs.values()), num_processes=2, work_dir=tmp_path)
+    for run in runs:
+        results = json.loads((tmp_path / run / "all_results.json").read_text())
+        assert results["num_processes"] == 2, f"{run}: accelerate launch started one process, not two"
     assert "2 micro × 2 accumulation × 2 processes = 8 sequences per update" in result.stdout
     assert [m["samples_seen"] for m in read_metrics(tmp_path / "ddp")] == [8, 16, 17]
     assert_same_run(tmp_path / "ddp", tmp_path / "one")  # tokens_seen equal: only real tokens, over both ranks
+    if qlora:
+        assert "frozen float32/uint8" in result.stdout and "optimizer state float32/uint8" in result.stdout
+        assert len(read_metrics(tmp_path / "qlora_ddp")) == 3
+        # LoRA's tensors are under bitsandbytes' 4,096-element threshold, so their AdamW state is fp32:
+        # the adapters match the full batch to fp32's bound.
+        assert_same_run(tmp_path / "qlora_ddp", tmp_path / "qlora_one")
 
 
 def test_lora_with_checkpointing_trains_and_saves_an_adapter_that_reloads(tmp_path, tiny_llama_dir):

@@ -2,7 +2,8 @@
 
 bitsandbytes' 4-bit weights and 8-bit AdamW run on CPU, so these tests run the real kernels: no
 quantization is mocked. Exactness is checked as for every other feature: (micro 8, accumulation 1)
-against (micro 2, accumulation 4) through the recipe.
+against (micro 2, accumulation 4) through the recipe. QLoRA under real DDP runs in the causal-LM
+recipe's one launch (tests/test_causal_lm.py).
 """
 
 import contextlib
@@ -10,21 +11,15 @@ import sys
 
 import pytest
 import torch
-from conftest import RTOL, error_of, launch, read_metrics, recipe_args, run_in_process, tiny_lm_args, write_jsonl
+from conftest import RTOL, error_of, read_metrics, recipe_args, run_in_process, tiny_lm_args, write_jsonl
 from safetensors.torch import load_file
 
 from ft_accum.models import loading, low_memory
 from ft_accum.planner import memory_planner
-from ft_accum.testing import make_conversations, make_tiny_chat_lm, make_tiny_lm, relative_error
+from ft_accum.testing import make_conversations, make_tiny_chat_lm, relative_error
 
 bitsandbytes = pytest.importorskip("bitsandbytes", reason='the [lowmem] extra: pip install -e ".[lowmem]"')
 peft = pytest.importorskip("peft")
-
-
-@pytest.fixture(scope="module")
-def llama_64_dir(tmp_path_factory):
-    # bitsandbytes' CPU kernels need layers at least one 64-weight quantization block wide.
-    return make_tiny_lm("llama", tmp_path_factory.mktemp("tiny-llama-64"), width=64)
 
 
 def adapter_weights(output_dir):
@@ -325,36 +320,6 @@ def test_qlora_instruction_tuning_accumulation_matches_the_full_batch(tmp_path):
         )  # fmt: skip
         run_in_process("instruction_tuning", args)
     assert relative_error(adapter_weights(runs[2]), adapter_weights(runs[8])) <= RTOL
-
-
-@pytest.mark.launch
-def test_qlora_on_two_ddp_processes_matches_the_full_batch(tmp_path, llama_64_dir, lm_data_files):
-    """Real DDP (gloo, 2 CPU processes) over a 4-bit base with 8-bit AdamW and checkpointing, against
-    one process taking the whole batch at once."""
-    common = dict(
-        use_lora=True, load_in_4bit=True, optim="adamw_8bit", gradient_checkpointing=True, learning_rate=1e-2
-    )
-    run_in_process(
-        "causal_lm",
-        tiny_lm_args(llama_64_dir, lm_data_files, tmp_path / "full", per_device_train_batch_size=8, **common),
-    )
-    result = launch(
-        "causal_lm",
-        tiny_lm_args(
-            llama_64_dir,
-            lm_data_files,
-            tmp_path / "ddp",
-            per_device_train_batch_size=2,
-            effective_batch_size=8,
-            **common,
-        ),  # fmt: skip
-        num_processes=2,
-    )
-    assert "2 micro × 2 accumulation × 2 processes" in result.stdout
-    assert "frozen float32/uint8" in result.stdout and "optimizer state float32/uint8" in result.stdout
-    assert_same_updates(tmp_path / "ddp", tmp_path / "full")
-    # LoRA's tensors are under bitsandbytes' 4,096-element threshold, so their AdamW state is fp32.
-    assert relative_error(adapter_weights(tmp_path / "ddp"), adapter_weights(tmp_path / "full")) <= RTOL
 
 
 def test_only_the_optional_kernel_notices_of_the_lowmem_libraries_are_filtered(caplog):
