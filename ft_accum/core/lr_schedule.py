@@ -15,7 +15,6 @@ warmup likewise, which makes it reach its final LR exactly at the last update.
 from __future__ import annotations
 
 import torch
-from transformers import get_scheduler
 
 
 def scheduler_steps(num_updates: int, num_processes: int, split_batches: bool = False) -> int:
@@ -35,6 +34,10 @@ def build_lr_scheduler(
 
     Pass the result through `accelerator.prepare`; it then ends exactly at the last update.
     """
+    # Imported here: transformers.optimization pulls in its Trainer utilities (and with them peft
+    # and bitsandbytes when installed), seconds that `ft-accum sweep` and `--help` do not need.
+    from transformers import get_scheduler
+
     return get_scheduler(
         name,
         optimizer=optimizer,

@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import Optional, TypeVar
 
 import yaml
-from accelerate.utils import LoggerType
-from transformers import HfArgumentParser, SchedulerType
 
 from ft_accum.core.accumulation_schedule import parse_accumulation_schedule
 from ft_accum.core.batch_arithmetic import BatchPlan, check_accumulation_settings
@@ -173,6 +171,11 @@ class TrainingArguments:
             raise ConfigError(f"--model_dtype must be float32 or bfloat16, got {self.model_dtype!r}")
         if self.optim not in OPTIMIZERS:
             raise ConfigError(f"--optim must be one of {', '.join(OPTIMIZERS)}, got {self.optim!r}")
+        # Imported where used: transformers' SchedulerType lives beside its Trainer utilities, which
+        # import peft and bitsandbytes when installed; `ft-accum sweep` reads these settings without them.
+        from accelerate.utils import LoggerType
+        from transformers import SchedulerType
+
         schedulers = [s.value for s in SchedulerType]
         if self.lr_scheduler_type not in schedulers:
             raise ConfigError(
@@ -274,6 +277,8 @@ def parse_args(
     formatter = type(
         "HelpFormatter", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}
     )
+    from transformers import HfArgumentParser
+
     # allow_abbrev=False: a typo'd or shortened flag is an error, never silently another flag.
     parser = HfArgumentParser(classes, description=description, formatter_class=formatter, allow_abbrev=False)
     parser.add_argument(
