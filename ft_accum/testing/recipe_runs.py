@@ -8,8 +8,9 @@ recipe's variants share a launch this way (docs/tests.md).
 
 Between runs, Accelerate's state is reset except its process group: each run builds a new
 `Accelerator` on the launch's DDP group. A recipe leaves the group at the end of each run
-(`Accelerator.end_training`); here only the last run does. Re-creating the default group in the
-same torchrun job would rendezvous again on the agent's store, under the keys the first group left.
+(`Accelerator.end_training`); here only the last run does. Keeping the group avoids a second
+rendezvous of the default group within one torchrun job (on the agent's store, which still holds
+the first group's keys): that path is untried here, not shown to fail.
 """
 
 from __future__ import annotations
