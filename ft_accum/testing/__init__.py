@@ -184,10 +184,12 @@ def launch_command(
     num_processes: int = 1,
     config_file: str | Path | None = None,
     launcher: str = "accelerate",
+    script: list[str] | None = None,
 ) -> tuple[list[str], dict]:
     """The real launch command line and environment: one process with `config_file` (default: the
     CPU config), or `num_processes` CPU processes under DDP over gloo. `launcher` "accelerate" is
-    `accelerate launch`; "ft-accum" is `ft-accum launch`, the same options (ft_accum/cli/launcher.py)."""
+    `accelerate launch`; "ft-accum" is `ft-accum launch`, the same options (ft_accum/cli/launcher.py).
+    `script` (a script and its arguments) replaces the recipe and `args` after the launcher's options."""
     env = dict(os.environ)
     if launcher == "accelerate":
         prefix = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -216,12 +218,19 @@ def launch_command(
             str(free_port()),
         ]
     # --config none first: tests set what they rely on, not the recipe's shipped config (a later --config wins).
-    return [*cmd, str(RECIPES / f"{name}.py"), "--config=none", *args], env
+    return [*cmd, *(script or [str(RECIPES / f"{name}.py"), "--config=none", *args])], env
 
 
-def launch(name: str, args: list[str], num_processes: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-    cmd, env = launch_command(name, args, num_processes)
-    result = run_with_stack_dump(cmd, env, timeout=300, cwd=ROOT)
+def launch(
+    name: str,
+    args: list[str],
+    num_processes: int = 1,
+    check: bool = True,
+    script: list[str] | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    cmd, env = launch_command(name, args, num_processes, script=script)
+    result = run_with_stack_dump(cmd, env, timeout=timeout, cwd=ROOT)
     if check and result.returncode != 0:
         raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
@@ -232,13 +241,8 @@ def launch_runs(name: str, runs: list[list[str]], num_processes: int, work_dir: 
     imports everything once instead of once per run. Fails, with the output, if any run fails."""
     runs_file = Path(work_dir) / "runs.json"
     runs_file.write_text(json.dumps([["--config=none", *args] for args in runs]))
-    cmd, env = launch_command(name, [], num_processes)
-    script = cmd.index(str(RECIPES / f"{name}.py"))
-    cmd = [*cmd[:script], str(Path(__file__).with_name("recipe_runs.py")), name, str(runs_file)]
-    result = run_with_stack_dump(cmd, env, timeout=300 * len(runs), cwd=ROOT)
-    if result.returncode != 0:
-        raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
-    return result
+    driver = [str(Path(__file__).with_name("recipe_runs.py")), name, str(runs_file)]
+    return launch(name, [], num_processes, script=driver, timeout=300 * len(runs))
 
 
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

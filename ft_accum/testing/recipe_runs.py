@@ -15,7 +15,6 @@ the first group's keys): that path is untried here, not shown to fail.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -29,13 +28,12 @@ def run_all(name: str, runs: list[list[str]]) -> None:
     from ft_accum.training.run_setup import reset_accelerate_state
 
     recipe = load_recipe(name)
-    for number, argv in enumerate(runs, start=1):
-        last = number == len(runs)
-        keep_group = mock.patch.object(PartialState, "destroy_process_group", lambda self, group=None: None)
-        with contextlib.nullcontext() if last else keep_group:
-            recipe.main(argv)  # an error leaves with SystemExit, as the recipe alone would
-        if not last:
+    # An error leaves with SystemExit, as the recipe alone would.
+    with mock.patch.object(PartialState, "destroy_process_group", lambda self, group=None: None):
+        for argv in runs[:-1]:
+            recipe.main(argv)
             reset_accelerate_state(keep_process_group=True)
+    recipe.main(runs[-1])  # the last run leaves the group, as every recipe run does
 
 
 if __name__ == "__main__":
