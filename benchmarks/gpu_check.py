@@ -65,7 +65,7 @@ AUTO_CLASS = {
 }
 
 
-def dropout_free_minilm(path: Path, num_hidden_layers: int = 6) -> Path:
+def dropout_free_minilm(path: Path, num_hidden_layers: int | None = None) -> Path:
     """The bundled MiniLM with dropout off: (8 × 1) and (2 × 4) then differ only in how the batch is
     split. `num_hidden_layers` keeps its first layers only (--dry_run: 1, which tests the same code)."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
@@ -73,9 +73,8 @@ def dropout_free_minilm(path: Path, num_hidden_layers: int = 6) -> Path:
     from ft_accum.data.offline_assets import bundled_minilm_dir
 
     source = bundled_minilm_dir()
-    config = AutoConfig.from_pretrained(
-        source, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_hidden_layers=num_hidden_layers
-    )
+    layers = {"num_hidden_layers": num_hidden_layers} if num_hidden_layers else {}
+    config = AutoConfig.from_pretrained(source, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **layers)
     AutoModel.from_pretrained(source, config=config).save_pretrained(path)
     AutoTokenizer.from_pretrained(source).save_pretrained(path)
     return path
@@ -555,7 +554,7 @@ def main():
     started, rows = time.perf_counter(), []
     with tempfile.TemporaryDirectory() as tmp:
         models = Path(tmp)
-        minilm = dropout_free_minilm(models / "minilm-no-dropout", num_hidden_layers=1 if args.dry_run else 6)
+        minilm = dropout_free_minilm(models / "minilm-no-dropout", num_hidden_layers=1 if args.dry_run else None)
         checks = {int(c) for c in args.checks.split(",")}
         if 1 in checks:
             precisions = ["no"] if args.dry_run else ["no", "bf16", "fp16"]
