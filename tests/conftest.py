@@ -94,8 +94,10 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_64_dir(tmp_path_factory) -> Path:
-    """A tiny Llama 64 wide: bitsandbytes' CPU kernels need layers of at least one 64-weight block."""
-    return make_tiny_lm("llama", tmp_path_factory.mktemp("tiny-llama-64"), width=64)
+    """A tiny Llama 64 wide: bitsandbytes' CPU kernels need layers of at least one 64-weight block.
+    Its MLP is 64 wide too: torchao's 8-bit AdamW compiles its step once per parameter shape, each
+    compile seconds long on a cold cache (CI's), and one width leaves three shapes instead of five."""
+    return make_tiny_lm("llama", tmp_path_factory.mktemp("tiny-llama-64"), width=64, intermediate_size=64)
 
 
 @pytest.fixture(scope="session")

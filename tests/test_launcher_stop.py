@@ -72,10 +72,26 @@ def stop_checkpoints(out):
     return sorted(p.parent.name for p in (out / "checkpoints").glob("step_*/training_state.json"))
 
 
+def assert_stopped_cleanly(process, log, out, code, max_train_steps) -> tuple[int, str]:
+    """What must hold once the launcher has returned: nothing of the launch still running or
+    writing, the exit status, no traceback, one complete checkpoint at the update it stopped after,
+    and the resume command written and printed. (The update it stopped after, the command.)"""
+    assert not group_alive(process.pid), "a process of the launch outlived the launcher"
+    output = log.read_text()
+    assert process.returncode == code, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    stopped_at = len(read_metrics(out))
+    assert stop_checkpoints(out) == [f"step_{stopped_at:06d}"] and 3 <= stopped_at < max_train_steps
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    saved = (out / "resume_command.txt").read_text().strip()
+    assert saved in output and saved.endswith("--resume_from_checkpoint latest")
+    return stopped_at, saved
+
+
 @pytest.mark.parametrize(
     "num_processes, signum, target, code",
     [
-        pytest.param(1, signal.SIGTERM, "group", 143, id="1 process, killpg SIGTERM (SLURM scancel)"),
+        # 1 process, killpg SIGTERM (SLURM's scancel): test_the_saved_resume_command_continues_bit_identically...
         pytest.param(1, signal.SIGINT, "group", 130, id="1 process, killpg SIGINT (Ctrl-C)"),
         pytest.param(1, signal.SIGTERM, "launcher", 143, id="1 process, SIGTERM to the launcher alone (docker stop)"),
         pytest.param(1, signal.SIGTERM, "pid 1", 143, id="1 process, SIGTERM to PID 1 of a PID namespace (container)"),
@@ -99,17 +115,7 @@ def test_the_checkpoint_is_complete_when_the_launcher_returns(
 
         os.kill(psutil.Process(process.pid).children()[0].pid, signum)
     process.wait(timeout=300)
-
-    # The launcher has returned: nothing of the launch may still be running or writing.
-    assert not group_alive(process.pid), "a process of the launch outlived the launcher"
-    output = log.read_text()
-    assert process.returncode == code, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    stopped_at = len(read_metrics(out))
-    assert stop_checkpoints(out) == [f"step_{stopped_at:06d}"] and 3 <= stopped_at < 400
-    assert not list((out / "checkpoints").glob(".tmp-*"))
-    saved = (out / "resume_command.txt").read_text().strip()
-    assert saved in output and saved.endswith("--resume_from_checkpoint latest")
+    stopped_at, saved = assert_stopped_cleanly(process, log, out, code, max_train_steps=400)
     if num_processes == 1:
         assert saved.startswith(f"ft-accum launch --config_file {CPU_CONFIG} ")
     else:
@@ -125,8 +131,9 @@ def test_the_checkpoint_is_complete_when_the_launcher_returns(
 def test_the_saved_resume_command_continues_bit_identically_in_the_same_precision(
     tmp_path, tiny_model_dir, data_files
 ):
-    """bf16 on CPU, from a config file: the resume command must carry the config, or the run would
-    continue in fp32 (issue 26). The resumed run must end bit-identical to an uninterrupted one."""
+    """1 process, killpg SIGTERM (SLURM's scancel), in bf16 on CPU from a config file: the stop is
+    checked as above, and the resume command must carry the config, or the run would continue in
+    fp32 (issue 26). The resumed run must end bit-identical to an uninterrupted one."""
     config = yaml.safe_load(CPU_CONFIG.read_text()) | {"mixed_precision": "bf16"}
     bf16_config = tmp_path / "cpu_bf16.yaml"
     bf16_config.write_text(yaml.safe_dump(config))
@@ -145,11 +152,9 @@ def test_the_saved_resume_command_continues_bit_identically_in_the_same_precisio
     process, log = start(run_args(tiny_model_dir, data_files, out, **settings), config_file=bf16_config)
     wait_for_updates(process, out)
     os.killpg(process.pid, signal.SIGTERM)
-    assert process.wait(timeout=300) == 143, log.read_text()[-3000:]
-    assert len(read_metrics(out)) < 60
-
-    resume = (out / "resume_command.txt").read_text().strip()
-    assert f"--config_file {bf16_config}" in resume
+    process.wait(timeout=300)
+    _, resume = assert_stopped_cleanly(process, log, out, 143, max_train_steps=60)
+    assert resume.startswith(f"ft-accum launch --config_file {bf16_config} ")
     bin_dir = str(Path(sys.executable).parent)  # where `ft-accum` is installed
     subprocess.run(["bash", "-c", resume], env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"]},
                    cwd=ROOT, check=True, capture_output=True, timeout=600)  # fmt: skip

@@ -7,7 +7,7 @@ rows of whatever data and model your flags (or the recipe's config) give:
 2. (micro 8 × accumulation 1) and (micro 2 × accumulation 4) give the same updates: per-update
    loss, gradient norm and counts, and final weights, within `TOLERANCE` (relative). The rows
    (`--rows`, 20 by default) leave a short last window (8 + 8 + 4). Evaluation (before training
-   and after the epoch) runs on the first 4 validation rows: it is run, not compared.
+   and after the epoch) runs on the first validation row (`--eval_rows`): it is run, not compared.
 3. A run resumed from its first checkpoint ends bit-identical to the uninterrupted run.
 
 The runs use SGD without clipping, warm-up, weight decay or LR scaling, so an update is linear in
@@ -125,7 +125,9 @@ def largest_relative_difference(ours: list[dict], theirs: list[dict], key: str) 
     return max(abs(a[key] - b[key]) / max(abs(b[key]), 1e-12) for a, b in zip(ours, theirs))
 
 
-def check(recipe_path: Path, flags: list[str], rows: int = 20, num_layers: int | None = None) -> list[Result]:
+def check(
+    recipe_path: Path, flags: list[str], rows: int = 20, num_layers: int | None = None, eval_rows: int = 1
+) -> list[Result]:
     results = []
     failed = run(recipe_path, ["--no_such_flag_for_the_check=1"])
     message = str(failed.code) if failed else ""
@@ -139,7 +141,7 @@ def check(recipe_path: Path, flags: list[str], rows: int = 20, num_layers: int |
 
     work = Path(tempfile.mkdtemp(prefix="ft-accum-check-"))
     common = [*flags, "--optim", "sgd", "--max_grad_norm", "0", "--num_warmup_steps", "0", "--weight_decay", "0",
-              "--lr_scaling", "none", "--num_train_epochs", "1", "--max_eval_samples", "4", "--max_train_samples",
+              "--lr_scaling", "none", "--num_train_epochs", "1", "--max_eval_samples", str(eval_rows), "--max_train_samples",
               str(rows), "--effective_batch_size", "8", "--report_to", "none", "--checkpointing_steps", "1",
               # the rows' own updates, not a config's max_train_steps (a checkpoint per update each)
               "--max_train_steps", str(-(-rows // 8))]  # fmt: skip
@@ -209,10 +211,16 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="ft-accum check",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
-        usage="ft-accum check recipes/my_recipe.py [--rows N] [--num_layers N] [recipe flags]",
+        usage="ft-accum check recipes/my_recipe.py [--rows N] [--eval_rows N] [--num_layers N] [recipe flags]",
     )
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--rows", type=int, default=20, help="training rows for the runs (default 20: 8 + 8 + 4)")
+    parser.add_argument(
+        "--eval_rows",
+        type=int,
+        default=1,
+        help="validation rows each evaluation runs on (default 1; raise it if one row is too short to pack)",
+    )
     parser.add_argument(
         "--num_layers",
         type=int,
@@ -224,7 +232,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit(
             f"error: {options.recipe} does not exist; pass a recipe file, e.g. recipes/text_classification.py"
         )
-    results = check(options.recipe, flags, options.rows, options.num_layers)
+    results = check(options.recipe, flags, options.rows, options.num_layers, options.eval_rows)
     print(f"ft-accum check {options.recipe}")
     print(format_table(results))
     failed = [r for r in results if not r.passed]

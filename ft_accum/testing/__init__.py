@@ -381,8 +381,9 @@ def build_word_tokenizer(path: Path):
     return tokenizer
 
 
-def make_tiny_lm(arch: str, path: Path, width: int = 32) -> Path:
+def make_tiny_lm(arch: str, path: Path, width: int = 32, intermediate_size: int | None = None) -> Path:
     """A 2-layer, `width`-wide causal LM from a config (dropout 0, 64 positions), saved with its tokenizer.
+    A Llama's MLP is `intermediate_size` wide (2 × `width` unless given).
 
     bitsandbytes' CPU 4-bit kernels need layers at least 64 wide (one quantization block)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -409,7 +410,7 @@ def make_tiny_lm(arch: str, path: Path, width: int = 32) -> Path:
     else:
         config = LlamaConfig(
             hidden_size=width,
-            intermediate_size=2 * width,
+            intermediate_size=intermediate_size or 2 * width,
             num_hidden_layers=2,
             num_attention_heads=2,
             num_key_value_heads=2,
