@@ -172,25 +172,6 @@ def test_three_seeded_kills_then_resume_is_bit_identical(tmp_path, dropout_model
     assert max_abs_difference(final_weights(out), final_weights(uninterrupted)) == 0.0
 
 
-def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_completes(
-    tmp_path, dropout_model_dir, data, uninterrupted
-):
-    out = crashed_after(uninterrupted, 10, tmp_path / "run")  # SIGKILL itself: the three-kills test
-    newest = checkpointing.latest_checkpoint(out)
-    weights = newest / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # what a full disk leaves
-
-    result = launch(
-        "text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **COMMON)
-    )
-
-    assert f"skipping checkpoint {newest}" in result.stderr
-    previous = checkpointing.checkpoint_name(int(newest.name.split("_")[1]) - 1)
-    assert f"Resumed from {out / 'checkpoints' / previous}" in result.stdout
-    assert [m["step"] for m in read_metrics(out)] == list(range(1, TOTAL_UPDATES + 1))
-    assert max_abs_difference(final_weights(out), final_weights(uninterrupted)) == 0.0
-
-
 def test_two_processes_killed_and_resumed_match_an_uninterrupted_two_process_run(tmp_path, dropout_model_dir, data):
     settings = {**COMMON, "per_device_train_batch_size": 1}  # 1 × 2 accumulation × 2 processes: the same 4 per update
     whole = tmp_path / "whole"
@@ -216,7 +197,8 @@ def test_two_processes_killed_and_resumed_match_an_uninterrupted_two_process_run
 def test_a_failed_checkpoint_write_stops_with_a_clear_error_and_keeps_the_previous_one(
     tmp_path, dropout_model_dir, data, uninterrupted
 ):
-    """A disk that fills up mid-save, simulated with RLIMIT_FSIZE: writes past the limit fail with EFBIG."""
+    """A disk that fills up mid-save, simulated with RLIMIT_FSIZE: writes past the limit fail with EFBIG.
+    Then the newest checkpoint truncated, as a full disk leaves one written in place: skipped."""
     out = crashed_after(uninterrupted, 3, tmp_path / "run")
     previous = checkpointing.latest_checkpoint(out)
     model_bytes = (previous / "model.safetensors").stat().st_size
@@ -242,5 +224,14 @@ def test_a_failed_checkpoint_write_stops_with_a_clear_error_and_keeps_the_previo
     assert checkpointing.latest_checkpoint(out) == previous and checkpointing.checkpoint_problem(previous) is None
     assert not list((out / "checkpoints").glob(".tmp-*")), "the partial checkpoint was left behind"
 
-    launch("text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **COMMON))
+    # What a full disk leaves of a checkpoint written in place (not ours: ours publish by rename): its
+    # weights cut short. The resume must skip it for the one before, and still end bit-identical.
+    weights = previous / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    result = launch(
+        "text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **COMMON)
+    )
+    assert f"skipping checkpoint {previous}" in result.stderr
+    assert f"Resumed from {out / 'checkpoints' / checkpointing.checkpoint_name(2)}" in result.stdout
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, TOTAL_UPDATES + 1))
     assert max_abs_difference(final_weights(out), final_weights(uninterrupted)) == 0.0

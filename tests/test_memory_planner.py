@@ -391,7 +391,7 @@ def test_training_flops_are_6n_per_token_and_4n_with_a_frozen_base(tied):
 
 @pytest.mark.launch
 def test_the_plan_offloads_only_where_a_split_does_not_fit_without_it_and_the_copies_pay():
-    config, settings = tiny_llama(4), {"task": "causal_lm", "seq_len": 256, "effective_batch_size": 8}
+    config, settings = tiny_llama(2), {"task": "causal_lm", "seq_len": 256, "effective_batch_size": 8}
     kept = mp.plan(config, gpu_memory_gib=1000, **settings)["candidates"]
     peak_of = {(r["per_device_train_batch_size"], r["gradient_checkpointing"]): r["peak_gib"] for r in kept}
     card = peak_of[(2, False)] * mp.FRAGMENTATION + mp.CUDA_OVERHEAD_GIB + 1e-6  # no-ckpt fits up to micro 2
