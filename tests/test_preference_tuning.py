@@ -193,48 +193,47 @@ def test_precomputed_reference_log_probs_equal_a_frozen_copy_and_resume_from_the
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("use_lora", [True, False], ids=["lora", "full"])
-def test_split_windows_and_two_ddp_processes_equal_the_full_batch(tmp_path, chat_lm_dir, pair_files, use_lora):
-    """(8 × 1) = (2 × 4) = 2 processes × (2 × 2) for DPO, SimPO and ORPO, through `accelerate launch`:
-    13 pairs leave a short last window of 5 pairs (micro-batches of 2, 2 and 1 at 2 × 4; 3 pairs on
-    process 0 and 2 on process 1, whose second micro-batch is only Accelerate's repeats); responses
-    differ 5× and more. The three DDP runs share one launch (ft_accum/testing/recipe_runs.py)."""
-    losses = [loss for loss, lora in VARIANTS if lora == use_lora]
-    runs = {loss: {} for loss in losses}
-    for loss in losses:
+def test_split_windows_and_two_ddp_processes_equal_the_full_batch(tmp_path, chat_lm_dir, pair_files):
+    """(8 × 1) = (2 × 4) = 2 processes × (2 × 2) for DPO, SimPO and ORPO, each with LoRA and in full,
+    through `accelerate launch`: 13 pairs leave a short last window of 5 pairs (micro-batches of 2,
+    2 and 1 at 2 × 4; 3 pairs on process 0 and 2 on process 1, whose second micro-batch is only
+    Accelerate's repeats); responses differ 5× and more. The six DDP runs share one launch
+    (ft_accum/testing/recipe_runs.py)."""
+    runs = {variant: {} for variant in VARIANTS}
+    for (loss, use_lora), outputs in runs.items():
         for micro, accumulation in ((8, 1), (2, 4)):
-            out = tmp_path / loss / f"{micro}x{accumulation}"
+            out = tmp_path / f"{loss}-{'lora' if use_lora else 'full'}" / f"{micro}x{accumulation}"
             run_in_process(
                 "preference_tuning",
                 preference_args(chat_lm_dir, pair_files, out, loss, use_lora, micro, accumulation),
             )
-            runs[loss][f"{micro}x{accumulation}"] = out
+            outputs[f"{micro}x{accumulation}"] = out
+        outputs["ddp"] = out.parent / "ddp"
     # Each loss on 2 processes: DPO's two references (the LoRA model with its adapters off inside
     # the DDP wrapper, and a frozen copy outside it), ORPO's NLL term divided by the window's chosen
     # tokens summed over the processes, SimPO's length-normalised rewards of uneven shards.
     result = launch_runs(
         "preference_tuning",
-        [preference_args(chat_lm_dir, pair_files, tmp_path / loss / "ddp", loss, use_lora, 2, 2) for loss in losses],
+        [preference_args(chat_lm_dir, pair_files, runs[v]["ddp"], *v, 2, 2) for v in VARIANTS],
         num_processes=2,
         work_dir=tmp_path,
     )
-    assert result.stdout.count("2 processes") >= len(losses), result.stdout[-3000:]
-    for loss in losses:
-        runs[loss]["ddp"] = tmp_path / loss / "ddp"
-        assert json.loads((runs[loss]["ddp"] / "all_results.json").read_text())["num_processes"] == 2
-        full, full_metrics = final_weights(runs[loss]["8x1"]), read_metrics(runs[loss]["8x1"])
+    assert result.stdout.count("2 processes") >= len(VARIANTS), result.stdout[-3000:]
+    for variant, outputs in runs.items():
+        assert json.loads((outputs["ddp"] / "all_results.json").read_text())["num_processes"] == 2
+        full, full_metrics = final_weights(outputs["8x1"]), read_metrics(outputs["8x1"])
         assert [m["samples_seen"] for m in full_metrics] == [8, 13]
         for key in ("2x4", "ddp"):
-            metrics = read_metrics(runs[loss][key])
-            assert [m["samples_seen"] for m in metrics] == [8, 13], (loss, key)
-            error = relative_error(final_weights(runs[loss][key]), full)
-            assert error <= RTOL, (loss, key, error)
+            metrics = read_metrics(outputs[key])
+            assert [m["samples_seen"] for m in metrics] == [8, 13], (variant, key)
+            error = relative_error(final_weights(outputs[key]), full)
+            assert error <= RTOL, (variant, key, error)
             for ours, theirs in zip(metrics, full_metrics):
-                assert ours["loss"] == pytest.approx(theirs["loss"], rel=RTOL), (loss, key)
-                assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL), (loss, key)
-                assert ours["reward_accuracy"] == theirs["reward_accuracy"], (loss, key)
+                assert ours["loss"] == pytest.approx(theirs["loss"], rel=RTOL), (variant, key)
+                assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=RTOL), (variant, key)
+                assert ours["reward_accuracy"] == theirs["reward_accuracy"], (variant, key)
                 # a difference of two rewards of ~1: its relative error is not what fp32 summation order bounds
-                assert ours["reward_margin"] == pytest.approx(theirs["reward_margin"], abs=1e-5), (loss, key)
+                assert ours["reward_margin"] == pytest.approx(theirs["reward_margin"], abs=1e-5), (variant, key)
 
 
 def test_window_totals_are_known_before_the_window_and_the_short_last_window_still_syncs_once():
