@@ -34,7 +34,7 @@ from conftest import (
     write_jsonl,
 )
 
-from ft_accum.testing import make_conversations, make_tiny_chat_lm, run_with_stack_dump
+from ft_accum.testing import make_conversations, make_tiny_chat_lm, run_with_stack_dump, runs_script
 
 pytestmark = pytest.mark.launch
 FAULT_HOOKS = Path(__file__).parent / "fault_hooks"
@@ -50,28 +50,32 @@ def fsdp_config(tmp_path_factory) -> Path:
     return path
 
 
-def fsdp_command(config: Path, recipe: str, args: list[str], launcher: str = "accelerate"):
+def fsdp_command(config: Path, recipe: str, args: list[str], launcher: str = "accelerate", script=None):
+    """`script` (ft_accum.testing.runs_script) runs in place of the recipe, `args` then unused."""
     prefix = (
         [sys.executable, "-m", "accelerate.commands.launch"]
         if launcher == "accelerate"
         else [str(Path(sys.executable).parent / "ft-accum"), "launch"]
     )
     # --config=none: these runs set what they rely on, not the recipe's shipped config (see ft_accum.testing).
-    cmd = [*prefix, "--config_file", str(config), "--main_process_port", str(free_port()), str(RECIPES / f"{recipe}.py"),
-           "--config=none", *args]  # fmt: skip
+    script = script or [str(RECIPES / f"{recipe}.py"), "--config=none", *args]
+    cmd = [*prefix, "--config_file", str(config), "--main_process_port", str(free_port()), *script]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(FAULT_HOOKS),
            "FT_ACCUM_TEST_FSDP_ON_CPU": "1"}  # fmt: skip
     return cmd, env
 
 
-def fsdp_launch(config: Path, recipe: str, args: list[str], out: Path) -> dict:
-    cmd, env = fsdp_command(config, recipe, args)
-    result = run_with_stack_dump(cmd, env, timeout=300, cwd=ROOT)
+def fsdp_launch(config: Path, runs: dict[Path, tuple[str, list[str]]], work_dir: Path) -> None:
+    """One FSDP launch of every {output_dir: (recipe, arguments)} run, one after another
+    (ft_accum.testing.runs_script: the processes import everything once)."""
+    cmd, env = fsdp_command(config, "", [], script=runs_script(list(runs.values()), work_dir))
+    result = run_with_stack_dump(cmd, env, timeout=300 * len(runs), cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-5000:]}"
-    assert "FSDP (sharded parameters, gradients and optimizer state), 2 processes" in result.stdout
-    results = json.loads((out / "all_results.json").read_text())
-    assert results["distributed_type"] == "FSDP" and results["num_processes"] == 2, results
-    return results
+    banner = "FSDP (sharded parameters, gradients and optimizer state), 2 processes"
+    assert result.stdout.count(banner) == len(runs), result.stdout[-3000:]
+    for out in runs:
+        results = json.loads((out / "all_results.json").read_text())
+        assert results["distributed_type"] == "FSDP" and results["num_processes"] == 2, results
 
 
 @pytest.fixture(scope="module")
@@ -93,45 +97,55 @@ def lm_args(model_dir, data, out, micro, **settings):
 
 
 @pytest.fixture(scope="module")
-def full_fine_tuning(tmp_path_factory, tiny_llama_dir, documents, fsdp_config):
-    """6 epochs of 17 documents (18 updates), one process at 8 × 1 and FSDP at 2 × 2 × 2, checkpointing every 4."""
-    root = tmp_path_factory.mktemp("fsdp-full")
+def fsdp_runs(tmp_path_factory, tiny_llama_dir, documents, fsdp_config):
+    """Each run in one process and under FSDP, the FSDP runs in one launch:
+    - causal LM full fine-tuning, 6 epochs of 17 documents (18 updates), one process at 8 × 1 and
+      FSDP at 2 × 2 × 2, checkpointing every 4;
+    - instruction-tuning LoRA (adapters sharded with the frozen base), on the instruction recipe's
+      assistant-only token counts; the causal-LM recipe's LoRA is the same peft wrapping."""
+    root = tmp_path_factory.mktemp("fsdp-runs")
     settings = {"num_train_epochs": 6, "checkpointing_steps": 4}
-    run_in_process("causal_lm", lm_args(tiny_llama_dir, documents, root / "one", 8, **settings))
+    chat_model = make_tiny_chat_lm(root / "chat-model")
+    chats = {"train": write_jsonl(root / "train.jsonl", make_conversations(13, seed=3)),
+             "validation": write_jsonl(root / "val.jsonl", make_conversations(4, seed=4))}  # fmt: skip
+
+    def chat_args(out, micro, accumulation):
+        return recipe_args(chat_model, chats, out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+                           use_lora=True, max_seq_length=512, exact_match_max_words=1, max_new_tokens=2, **SGD)  # fmt: skip
+
+    run_in_process("causal_lm", lm_args(tiny_llama_dir, documents, root / "full" / "one", 8, **settings))
+    run_in_process("instruction_tuning", chat_args(root / "lora" / "one", 8, 1))
     fsdp_launch(
-        fsdp_config, "causal_lm", lm_args(tiny_llama_dir, documents, root / "fsdp", 2, **settings), root / "fsdp"
+        fsdp_config,
+        {
+            root / "full" / "fsdp": (
+                "causal_lm",
+                lm_args(tiny_llama_dir, documents, root / "full" / "fsdp", 2, **settings),
+            ),
+            root / "lora" / "fsdp": ("instruction_tuning", chat_args(root / "lora" / "fsdp", 2, 2)),
+        },
+        root,
     )
     return root, settings
 
 
-def test_full_fine_tuning_under_fsdp_matches_one_process(full_fine_tuning):
-    root, _ = full_fine_tuning
-    assert [m["samples_seen"] for m in read_metrics(root / "fsdp")][:3] == [8, 16, 17]
-    assert_same_run(root / "fsdp", root / "one")
+def test_full_fine_tuning_under_fsdp_matches_one_process(fsdp_runs):
+    root, _ = fsdp_runs
+    assert [m["samples_seen"] for m in read_metrics(root / "full" / "fsdp")][:3] == [8, 16, 17]
+    assert_same_run(root / "full" / "fsdp", root / "full" / "one")
 
 
-def test_instruction_tuning_lora_under_fsdp_matches_one_process(tmp_path, fsdp_config):
-    """LoRA under FSDP (adapters sharded with the frozen base), on the instruction recipe's
-    assistant-only token counts; the causal-LM recipe's LoRA is the same peft wrapping."""
-    model = make_tiny_chat_lm(tmp_path / "model")
-    data = {"train": write_jsonl(tmp_path / "train.jsonl", make_conversations(13, seed=3)),
-            "validation": write_jsonl(tmp_path / "val.jsonl", make_conversations(4, seed=4))}  # fmt: skip
-
-    def args(out, micro, accumulation):
-        return recipe_args(model, data, out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-                           use_lora=True, max_seq_length=512, exact_match_max_words=1, max_new_tokens=2, **SGD)  # fmt: skip
-
-    run_in_process("instruction_tuning", args(tmp_path / "one", 8, 1))
-    fsdp_launch(fsdp_config, "instruction_tuning", args(tmp_path / "fsdp", 2, 2), tmp_path / "fsdp")
-    assert_same_run(tmp_path / "fsdp", tmp_path / "one")
+def test_instruction_tuning_lora_under_fsdp_matches_one_process(fsdp_runs):
+    root, _ = fsdp_runs
+    assert_same_run(root / "lora" / "fsdp", root / "lora" / "one")
 
 
-def test_the_graceful_stop_under_fsdp(tmp_path, full_fine_tuning, tiny_llama_dir, documents, fsdp_config):
+def test_the_graceful_stop_under_fsdp(tmp_path, fsdp_runs, tiny_llama_dir, documents, fsdp_config):
     """killpg(SIGTERM) through ft-accum launch: both ranks stop at the same update, the sharded
     checkpoint is complete when the launcher returns, and the saved command resumes from it to the
     same final weights as the uninterrupted FSDP run, bit for bit (the resume of a sharded
     checkpoint: a periodic one is written by the same save)."""
-    root, settings = full_fine_tuning
+    root, settings = fsdp_runs
     out = tmp_path / "stopped"
     args = lm_args(tiny_llama_dir, documents, out, 2, **{**settings, "checkpointing_steps": None})
     cmd, env = fsdp_command(fsdp_config, "causal_lm", args, "ft-accum")
@@ -162,6 +176,6 @@ def test_the_graceful_stop_under_fsdp(tmp_path, full_fine_tuning, tiny_llama_dir
                              cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert resumed.returncode == 0, (resumed.returncode, resumed.stdout[-3000:], resumed.stderr[-3000:])
     assert json.loads((out / "all_results.json").read_text())["distributed_type"] == "FSDP"
-    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(root / "fsdp")]
-    ours, theirs = final_weights(out), final_weights(root / "fsdp")
+    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(root / "full" / "fsdp")]
+    ours, theirs = final_weights(out), final_weights(root / "full" / "fsdp")
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)

@@ -236,13 +236,19 @@ def launch(
     return result
 
 
-def launch_runs(name: str, runs: list[list[str]], num_processes: int, work_dir: Path) -> subprocess.CompletedProcess:
-    """Several runs of one recipe in one real launch (ft_accum/testing/recipe_runs.py): each process
-    imports everything once instead of once per run. Fails, with the output, if any run fails."""
+def runs_script(runs: list[tuple[str, list[str]]], work_dir: Path) -> list[str]:
+    """What a launch runs in place of a recipe to run each (recipe name, arguments) of `runs`, one
+    after another in the same processes (ft_accum/testing/recipe_runs.py)."""
     runs_file = Path(work_dir) / "runs.json"
-    runs_file.write_text(json.dumps([["--config=none", *args] for args in runs]))
-    driver = [str(Path(__file__).with_name("recipe_runs.py")), name, str(runs_file)]
-    return launch(name, [], num_processes, script=driver, timeout=300 * len(runs))
+    runs_file.write_text(json.dumps([[name, ["--config=none", *args]] for name, args in runs]))
+    return [str(Path(__file__).with_name("recipe_runs.py")), str(runs_file)]
+
+
+def launch_runs(name: str, runs: list[list[str]], num_processes: int, work_dir: Path) -> subprocess.CompletedProcess:
+    """Several runs of one recipe in one real launch (`runs_script`): each process imports everything
+    once instead of once per run. Fails, with the output, if any run fails."""
+    script = runs_script([(name, args) for args in runs], work_dir)
+    return launch(name, [], num_processes, script=script, timeout=300 * len(runs))
 
 
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -1,10 +1,11 @@
-"""`accelerate launch [options] ft_accum/testing/recipe_runs.py <recipe name> RUNS.json`: several
-runs of one recipe in one launch, one after another, in the same processes.
+"""`accelerate launch [options] ft_accum/testing/recipe_runs.py RUNS.json`: several recipe runs in
+one launch, one after another, in the same processes.
 
-RUNS.json is a list of argument lists, each what `recipes/<name>.py` would be given on the command
-line. Every process of the launch imports torch, transformers and the recipe once (about 8 s of CPU
-each, most of a tiny test run), instead of once per run; the suite's DDP equivalence tests of one
-recipe's variants share a launch this way (docs/tests.md).
+RUNS.json is a list of [recipe name, argument list] pairs, each argument list what
+`recipes/<name>.py` would be given on the command line. Every process of the launch imports torch,
+transformers and each recipe once (about 8 s of CPU each, most of a tiny test run), instead of once
+per run; the suite's DDP equivalence tests of one recipe's variants, and its two FSDP equivalence
+runs, share a launch this way (docs/tests.md).
 
 Between runs, Accelerate's state is reset except its process group: each run builds a new
 `Accelerator` on the launch's DDP group. A recipe leaves the group at the end of each run
@@ -21,21 +22,28 @@ from pathlib import Path
 from unittest import mock
 
 
-def run_all(name: str, runs: list[list[str]]) -> None:
+def run_all(runs: list[tuple[str, list[str]]]) -> None:
     from accelerate.state import PartialState
 
     from ft_accum.testing import load_recipe
     from ft_accum.training.run_setup import reset_accelerate_state
 
-    recipe = load_recipe(name)
+    recipes = {}
+
+    def recipe(name):
+        if name not in recipes:
+            recipes[name] = load_recipe(name)
+        return recipes[name]
+
     # An error leaves with SystemExit, as the recipe alone would.
     with mock.patch.object(PartialState, "destroy_process_group", lambda self, group=None: None):
-        for argv in runs[:-1]:
-            recipe.main(argv)
+        for name, argv in runs[:-1]:
+            recipe(name).main(argv)
             reset_accelerate_state(keep_process_group=True)
-    recipe.main(runs[-1])  # the last run leaves the group, as every recipe run does
+    name, argv = runs[-1]
+    recipe(name).main(argv)  # the last run leaves the group, as every recipe run does
 
 
 if __name__ == "__main__":
-    name, runs_path = sys.argv[1:]
-    run_all(name, json.loads(Path(runs_path).read_text()))
+    (runs_path,) = sys.argv[1:]
+    run_all(json.loads(Path(runs_path).read_text()))
