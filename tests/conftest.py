@@ -146,16 +146,23 @@ def pytest_collection_modifyitems(items) -> None:
     """Each xdist worker's share starts with its part of the long tests (marked `launch`), then short
     ones. xdist's worksteal hands worker j the j-th of k equal slices of this list, and an idle worker
     steals from the end of another's: so the workers end on short tests, not one of them on a
-    minute-long launch while the other waits."""
+    minute-long launch while the other waits. The long tests of one module go to one worker: they
+    share its module-scoped fixtures (test_fsdp.py's FSDP launch, test_fault_injection.py's
+    uninterrupted run), which each worker that ran one of them would build again."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     slow = [item for item in items if item.get_closest_marker("launch")]
     fast = [item for item in items if not item.get_closest_marker("launch")]
+    modules: dict[Path, list] = {}
+    for item in slow:
+        modules.setdefault(item.path, []).append(item)
+    shares: list[list] = [[] for _ in range(workers)]
+    for module in sorted(modules.values(), key=len, reverse=True):  # the largest first, to the emptiest share
+        min(shares, key=len).extend(module)
     ordered, remaining = [], len(items)
     for worker in range(workers):
         size = remaining // (workers - worker)  # the slice xdist sends this worker (check_schedule)
-        share = slow[worker::workers]
-        take = max(0, size - len(share))
-        ordered += share + fast[:take]
+        take = max(0, size - len(shares[worker]))
+        ordered += shares[worker] + fast[:take]
         fast = fast[take:]
         remaining -= size
     items[:] = ordered + fast
