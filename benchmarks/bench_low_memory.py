@@ -13,6 +13,10 @@ What the low-memory full fine-tune trades (issue 17), on this machine. Needs the
 2. Bytes. The weights, gradients and optimizer state of SmolLM2-135M after one real step in each
    configuration, summed over the real tensors, beside the planner's prediction.
 
+--quick: a tiny Llama, 3 updates, in this process, without the torchao configuration (torchao
+compiles its step per parameter shape: ~35 s on a cold cache; tests/test_low_memory.py runs that
+path through the recipe).
+
 Results: benchmarks/results/low_memory.json, and the curves in benchmarks/results/low_memory_loss.png
 (when matplotlib, the [report] extra, is installed).
 """
@@ -155,6 +159,8 @@ def main():
             for split, seed in (("train", 1), ("validation", 2)):
                 data.append(f"--{split}_file={write_jsonl(Path(tmp) / f'{split}.jsonl', make_documents(40, seed))}")
         names = [n for n in CONFIGURATIONS if not args.configurations or n in args.configurations]
+        if args.quick and not args.configurations:
+            names = [n for n in names if CONFIGURATIONS[n][1] != "adamw_torch_8bit"]
         # --configurations reruns some runs and keeps the others' last figures from --output.
         previous = json.loads(args.output.read_text())["runs"] if args.configurations and args.output.is_file() else {}
         results = measure(model_dir, args.quick, data, names, previous)

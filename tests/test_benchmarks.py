@@ -94,13 +94,10 @@ def test_output_loss_profile_and_packing_benchmarks_run_quick(tmp_path):
 
 def test_low_memory_benchmark_runs_quick(tmp_path):
     pytest.importorskip("bitsandbytes")
-    pytest.importorskip("torchao")
     run_script("bench_low_memory.py", "--quick", "--output", str(tmp_path / "low_memory.json"))
     runs = json.loads((tmp_path / "low_memory.json").read_text())["runs"]
-    assert set(runs) == {
-        "fp32 + AdamW", "fp32 + 8-bit AdamW", "bf16 + AdamW", "bf16 + 8-bit AdamW",
-        "bf16 + 8-bit AdamW, stochastic rounding",
-    }  # fmt: skip
+    # Quick leaves out torchao's stochastic rounding (a cold compile); the recipe's torchao path is tested in test_low_memory.py.
+    assert set(runs) == {"fp32 + AdamW", "fp32 + 8-bit AdamW", "bf16 + AdamW", "bf16 + 8-bit AdamW"}
     assert runs["fp32 + AdamW"]["loss_gap_to_fp32_adamw"]["final"] == 0
     state = {name: run["bytes_gib"]["optimizer_state"] for name, run in runs.items()}
     assert state["bf16 + 8-bit AdamW"] < 0.5 * state["fp32 + AdamW"]
