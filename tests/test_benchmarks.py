@@ -96,7 +96,7 @@ def test_low_memory_benchmark_runs_quick(tmp_path):
     pytest.importorskip("bitsandbytes")
     run_script("bench_low_memory.py", "--quick", "--output", str(tmp_path / "low_memory.json"))
     runs = json.loads((tmp_path / "low_memory.json").read_text())["runs"]
-    # Quick leaves out torchao's stochastic rounding (a cold compile); the recipe's torchao path is tested in test_low_memory.py.
+    # Quick leaves out torchao's stochastic rounding (a cold compile); test_low_memory.py runs that path.
     assert set(runs) == {"fp32 + AdamW", "fp32 + 8-bit AdamW", "bf16 + AdamW", "bf16 + 8-bit AdamW"}
     assert runs["fp32 + AdamW"]["loss_gap_to_fp32_adamw"]["final"] == 0
     state = {name: run["bytes_gib"]["optimizer_state"] for name, run in runs.items()}
