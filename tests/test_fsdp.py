@@ -50,15 +50,18 @@ def fsdp_config(tmp_path_factory) -> Path:
     return path
 
 
-def fsdp_command(config: Path, recipe: str, args: list[str], launcher: str = "accelerate", script=None):
-    """`script` (ft_accum.testing.runs_script) runs in place of the recipe, `args` then unused."""
+def recipe_script(recipe: str, args: list[str]) -> list[str]:
+    # --config=none: these runs set what they rely on, not the recipe's shipped config (see ft_accum.testing).
+    return [str(RECIPES / f"{recipe}.py"), "--config=none", *args]
+
+
+def fsdp_command(config: Path, script: list[str], launcher: str = "accelerate"):
+    """The FSDP launch of `script`: a recipe and its arguments (`recipe_script`), or ft_accum.testing.runs_script."""
     prefix = (
         [sys.executable, "-m", "accelerate.commands.launch"]
         if launcher == "accelerate"
         else [str(Path(sys.executable).parent / "ft-accum"), "launch"]
     )
-    # --config=none: these runs set what they rely on, not the recipe's shipped config (see ft_accum.testing).
-    script = script or [str(RECIPES / f"{recipe}.py"), "--config=none", *args]
     cmd = [*prefix, "--config_file", str(config), "--main_process_port", str(free_port()), *script]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(FAULT_HOOKS),
            "FT_ACCUM_TEST_FSDP_ON_CPU": "1"}  # fmt: skip
@@ -68,7 +71,7 @@ def fsdp_command(config: Path, recipe: str, args: list[str], launcher: str = "ac
 def fsdp_launch(config: Path, runs: dict[Path, tuple[str, list[str]]], work_dir: Path) -> None:
     """One FSDP launch of every {output_dir: (recipe, arguments)} run, one after another
     (ft_accum.testing.runs_script: the processes import everything once)."""
-    cmd, env = fsdp_command(config, "", [], script=runs_script(list(runs.values()), work_dir))
+    cmd, env = fsdp_command(config, runs_script(list(runs.values()), work_dir))
     result = run_with_stack_dump(cmd, env, timeout=300 * len(runs), cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-5000:]}"
     banner = "FSDP (sharded parameters, gradients and optimizer state), 2 processes"
@@ -148,7 +151,7 @@ def test_the_graceful_stop_under_fsdp(tmp_path, fsdp_runs, tiny_llama_dir, docum
     root, settings = fsdp_runs
     out = tmp_path / "stopped"
     args = lm_args(tiny_llama_dir, documents, out, 2, **{**settings, "checkpointing_steps": None})
-    cmd, env = fsdp_command(fsdp_config, "causal_lm", args, "ft-accum")
+    cmd, env = fsdp_command(fsdp_config, recipe_script("causal_lm", args), "ft-accum")
     env["FT_ACCUM_SLOW_UPDATE_SECONDS"] = "0.3"  # 18 updates: long enough for the signal to land mid-run
     with open(tmp_path / "log", "w") as log:
         process = subprocess.Popen(

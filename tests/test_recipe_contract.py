@@ -3,8 +3,9 @@
 No list of recipes and no per-recipe settings: each file found is run through `ft-accum check`
 (its `main`, in this process: the same code as the command, without a new interpreter importing
 torch and transformers each time) on its offline default (its own config, model and data, 20 rows
-so that the last window is short, one validation row, the model cut to its first layer): a bad flag is one `error:`
-line, (8 × 1) and (2 × 4) give the same updates and weights, a resume is bit-identical.
+so that the last window is short, one validation row, the model cut to its first layer): a bad flag
+is one `error:` line, (8 × 1) and (2 × 4) give the same updates and weights, a resume is
+bit-identical.
 tests/test_configs.py checks that each docstring command is a launch of this same run.
 A new recipe that follows the guide passes without this file edited. Each recipe's own behaviour
 (its data format, its metric, DDP on uneven rows through `accelerate launch`) is tested in its
