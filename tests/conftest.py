@@ -14,6 +14,7 @@ import pytest
 from ft_accum.testing import (  # noqa: F401  (re-exported for the test modules)
     COMMON,
     CPU_CONFIG,
+    FAULT_HOOKS,
     RECIPES,
     ROOT,
     TOPICS,
@@ -53,6 +54,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launches_run_without_the_lowmem_extra():
+    """Every process a test launches imports tests/fault_hooks/sitecustomize.py, which hides
+    bitsandbytes and torchao from it, as an install without the [lowmem] extra has neither: they
+    cost every launched process about 3 CPU-s of imports (transformers and peft import them when
+    installed), and a recipe must not need them unless asked. `launch(..., lowmem=True)` lets a
+    launch use them. Set here, not at import: xdist workers start after this file is imported,
+    and they must keep both for the low-memory tests they run in-process."""
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "FT_ACCUM_TEST_WITHOUT_LOWMEM")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_HOOKS), saved["PYTHONPATH"]]))
+    os.environ["FT_ACCUM_TEST_WITHOUT_LOWMEM"] = "1"
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

@@ -179,7 +179,7 @@ def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(
                          **low_memory),
         )  # fmt: skip
         runs["qlora_ddp"] = tiny_lm_args(llama_64_dir, lm_data_files, tmp_path / "qlora_ddp", **split, **low_memory)
-    result = launch_runs("causal_lm", list(runs.values()), num_processes=2, work_dir=tmp_path)
+    result = launch_runs("causal_lm", list(runs.values()), num_processes=2, work_dir=tmp_path, lowmem=qlora)
     for run in runs:
         results = json.loads((tmp_path / run / "all_results.json").read_text())
         assert results["num_processes"] == 2, f"{run}: accelerate launch started one process, not two"

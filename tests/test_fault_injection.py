@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    FAULT_HOOKS,
     final_weights,
     launch,
     launch_command,
@@ -71,9 +72,6 @@ def uninterrupted(tmp_path_factory, dropout_model_dir, data):
     out = tmp_path_factory.mktemp("uninterrupted")
     run_in_process("text_classification", tiny_args(dropout_model_dir, data, out, **COMMON))
     return out
-
-
-FAULT_HOOKS = Path(__file__).parent / "fault_hooks"
 
 
 def crashed_after(run_dir: Path, step: int, output_dir: Path) -> Path:

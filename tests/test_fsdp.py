@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 from conftest import (
+    FAULT_HOOKS,
     RECIPES,
     ROOT,
     assert_same_run,
@@ -37,7 +38,6 @@ from conftest import (
 from ft_accum.testing import make_conversations, make_tiny_chat_lm, run_with_stack_dump, runs_script
 
 pytestmark = pytest.mark.launch
-FAULT_HOOKS = Path(__file__).parent / "fault_hooks"
 SGD = {"optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}
 
 

@@ -26,13 +26,21 @@ from unittest import mock
 import pytest
 import torch
 import yaml
-from conftest import CPU_CONFIG, ROOT, final_weights, launch_command, read_metrics, run_in_process, tiny_args
+from conftest import (
+    CPU_CONFIG,
+    FAULT_HOOKS,
+    ROOT,
+    final_weights,
+    launch_command,
+    read_metrics,
+    run_in_process,
+    tiny_args,
+)
 
 from ft_accum.training import graceful_stop
 from ft_accum.training.graceful_stop import resume_command
 
 pytestmark = pytest.mark.launch
-FAULT_HOOKS = Path(__file__).parent / "fault_hooks"
 
 
 def run_args(model_dir, data_files, out, **overrides):

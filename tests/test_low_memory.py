@@ -7,11 +7,22 @@ recipe's one launch (tests/test_causal_lm.py).
 """
 
 import contextlib
+import importlib.util
+import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import RTOL, error_of, read_metrics, recipe_args, run_in_process, tiny_lm_args, write_jsonl
+from conftest import (
+    RTOL,
+    error_of,
+    launch_command,
+    read_metrics,
+    recipe_args,
+    run_in_process,
+    tiny_lm_args,
+    write_jsonl,
+)
 from safetensors.torch import load_file
 
 from ft_accum.models import loading, low_memory
@@ -277,6 +288,18 @@ def test_offloaded_activations_come_back_bit_for_bit(tiny_llama_dir):
         assert counts[1] > 0, "nothing was offloaded"
         if checkpointing:
             assert counts[1] >= model.config.num_hidden_layers, "the checkpointed block inputs were not offloaded"
+
+
+def test_launched_processes_do_without_the_lowmem_packages_unless_the_launch_asks():
+    """tests/conftest.py hides bitsandbytes and torchao from every process a test launches, as an
+    install without the [lowmem] extra lacks them; `launch_command(lowmem=True)` shows them again."""
+    names = ("bitsandbytes", "torchao")
+    probe = "import importlib.util as u; print([u.find_spec(n) is None for n in %r])" % (names,)
+    here = str([importlib.util.find_spec(n) is None for n in names])
+    for lowmem, missing in ((False, "[True, True]"), (True, here)):
+        _, env = launch_command("text_classification", [], lowmem=lowmem)
+        result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert result.stdout.strip() == missing, (lowmem, result.stdout)
 
 
 def test_offloading_on_a_cpu_run_is_refused_in_one_line(tmp_path, tiny_gpt2_dir, lm_data_files):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import yaml
-from conftest import CPU_CONFIG, ROOT, final_weights, max_abs_difference, run_in_process, tiny_args
+from conftest import CPU_CONFIG, FAULT_HOOKS, ROOT, final_weights, max_abs_difference, run_in_process, tiny_args
 
 from ft_accum.cli import sweep as sweep_module
 from ft_accum.cli.main import main as cli_main
@@ -71,22 +71,8 @@ def test_a_sweep_finishes_its_runs_isolates_a_failure_and_replans_an_out_of_memo
     """One sweep of three runs: one that finishes; one whose model does not exist, which fails alone
     with its error recorded; and one that runs out of memory, which is replanned at half the
     micro-batch with the same effective batch and finishes with metrics of its own."""
-    # Fault injection in the child processes: any training forward with more than 4 samples fails
-    # as a CUDA OOM would. The recipe runs without --auto_micro_batch, so the run dies of it.
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(
-        "import os, sys\n"
-        "if sys.argv[0].endswith('text_classification.py'):  # the recipe, not its launcher\n"
-        "    import torch\n"
-        "    from transformers import BertForSequenceClassification\n"
-        "    forward = BertForSequenceClassification.forward\n"
-        "    def limited(self, input_ids=None, **kwargs):\n"
-        "        if self.training and input_ids.shape[0] > 4:\n"
-        "            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
-        "        return forward(self, input_ids=input_ids, **kwargs)\n"
-        "    BertForSequenceClassification.forward = limited\n"
-    )
+    # Fault injection in the recipe processes (tests/fault_hooks): any training forward with more than
+    # 4 samples fails as a CUDA OOM would. The recipe runs without --auto_micro_batch, so the run dies of it.
     runs = [
         {"learning_rate": 1e-3, "seed": 1},
         {"seed": 3, "model_name_or_path": str(tmp_path / "no-such-model")},
@@ -97,7 +83,7 @@ def test_a_sweep_finishes_its_runs_isolates_a_failure_and_replans_an_out_of_memo
     del spec["base"]["gradient_accumulation_steps"]
     spec["base"]["effective_batch_size"] = 8
     path.write_text(yaml.safe_dump(spec))
-    env = {**os.environ, "PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": str(FAULT_HOOKS), "FT_ACCUM_TEST_OOM_ABOVE_ROWS": "4"}
     result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[run 1/3]" in result.stdout and "sweep done: 1 ok, 1 ok after a replan, 1 failed" in result.stdout

@@ -29,6 +29,8 @@ from ft_accum.training.run_setup import reset_accelerate_state  # noqa: F401  (r
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
 CPU_CONFIG = ROOT / "accelerate_configs" / "cpu.yaml"
+# The test hooks every launched process imports at start-up (tests/fault_hooks/sitecustomize.py).
+FAULT_HOOKS = ROOT / "tests" / "fault_hooks"
 
 
 TOPICS = {
@@ -185,12 +187,17 @@ def launch_command(
     config_file: str | Path | None = None,
     launcher: str = "accelerate",
     script: list[str] | None = None,
+    lowmem: bool = False,
 ) -> tuple[list[str], dict]:
     """The real launch command line and environment: one process with `config_file` (default: the
     CPU config), or `num_processes` CPU processes under DDP over gloo. `launcher` "accelerate" is
     `accelerate launch`; "ft-accum" is `ft-accum launch`, the same options (ft_accum/cli/launcher.py).
-    `script` (a script and its arguments) replaces the recipe and `args` after the launcher's options."""
+    `script` (a script and its arguments) replaces the recipe and `args` after the launcher's options.
+    `lowmem`: the launch may import bitsandbytes and torchao, which tests/conftest.py hides from the
+    processes tests launch (as an install without the [lowmem] extra has none)."""
     env = dict(os.environ)
+    if lowmem:
+        env["FT_ACCUM_TEST_WITHOUT_LOWMEM"] = "0"
     if launcher == "accelerate":
         prefix = [sys.executable, "-m", "accelerate.commands.launch"]
     else:
@@ -228,8 +235,9 @@ def launch(
     check: bool = True,
     script: list[str] | None = None,
     timeout: float = 300,
+    lowmem: bool = False,
 ) -> subprocess.CompletedProcess:
-    cmd, env = launch_command(name, args, num_processes, script=script)
+    cmd, env = launch_command(name, args, num_processes, script=script, lowmem=lowmem)
     result = run_with_stack_dump(cmd, env, timeout=timeout, cwd=ROOT)
     if check and result.returncode != 0:
         raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
@@ -244,11 +252,13 @@ def runs_script(runs: list[tuple[str, list[str]]], work_dir: Path) -> list[str]:
     return [str(Path(__file__).with_name("recipe_runs.py")), str(runs_file)]
 
 
-def launch_runs(name: str, runs: list[list[str]], num_processes: int, work_dir: Path) -> subprocess.CompletedProcess:
+def launch_runs(
+    name: str, runs: list[list[str]], num_processes: int, work_dir: Path, lowmem: bool = False
+) -> subprocess.CompletedProcess:
     """Several runs of one recipe in one real launch (`runs_script`): each process imports everything
     once instead of once per run. Fails, with the output, if any run fails."""
     script = runs_script([(name, args) for args in runs], work_dir)
-    return launch(name, [], num_processes, script=script, timeout=300 * len(runs))
+    return launch(name, [], num_processes, script=script, timeout=300 * len(runs), lowmem=lowmem)
 
 
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -1,5 +1,12 @@
-"""Test-only fault hooks, imported at start-up by every Python process whose PYTHONPATH holds this folder.
+"""Test-only hooks, imported at start-up by every Python process whose PYTHONPATH holds this folder
+(tests/conftest.py puts it there for every process a test launches).
 
+- FT_ACCUM_TEST_WITHOUT_LOWMEM=1 (conftest.py sets it; `launch_command(lowmem=True)` clears it):
+  the process runs as an install without the [lowmem] extra. bitsandbytes and torchao are hidden:
+  `importlib.util.find_spec` returns None for a name that sys.modules maps to None, and importing it
+  raises ImportError. transformers (its quantizer registry) and peft import both at start-up when
+  they are installed, about 3 CPU-s per process, in every launch, LoRA or not; and a recipe that
+  needed them without being asked to would fail here.
 - FT_ACCUM_FREEZE_BEFORE_PUBLISHING=.tmp-step_000045: the process that is about to rename that
   half-published checkpoint folder into place writes FT_ACCUM_FROZEN_MARKER and stops itself
   (SIGSTOP) instead. The test then SIGKILLs it: a kill inside the checkpoint write, every time.
@@ -7,12 +14,20 @@
 - FT_ACCUM_SLOW_PUBLISH_SECONDS=2: every checkpoint takes that much longer to write, as a real
   model's does (seconds, not a tiny model's milliseconds), so that a launcher that returns before
   the recipe has finished its checkpoint is seen to do so every time.
+- FT_ACCUM_TEST_OOM_ABOVE_ROWS=4: in the text-classification recipe's process (not its launcher),
+  a BERT classifier's training forward of more than 4 rows raises CUDA's out-of-memory error, as a
+  GPU too small for it would (tests/test_sweep.py).
 """
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
+
+if os.environ.get("FT_ACCUM_TEST_WITHOUT_LOWMEM") == "1":
+    for _name in ("bitsandbytes", "torchao"):
+        sys.modules.setdefault(_name, None)
 
 _FOLDER = os.environ.get("FT_ACCUM_FREEZE_BEFORE_PUBLISHING")
 _SLOW = float(os.environ.get("FT_ACCUM_SLOW_PUBLISH_SECONDS", "0"))
@@ -67,3 +82,16 @@ if float(os.environ.get("FT_ACCUM_SLOW_UPDATE_SECONDS", "0")):
         return _step(self, *args, **kwargs)
 
     _torch.optim.SGD.step = _slow_step
+
+if os.environ.get("FT_ACCUM_TEST_OOM_ABOVE_ROWS") and sys.argv[0].endswith("text_classification.py"):
+    import torch as _torch
+    from transformers import BertForSequenceClassification as _Bert
+
+    _forward, _rows = _Bert.forward, int(os.environ["FT_ACCUM_TEST_OOM_ABOVE_ROWS"])
+
+    def _forward_within_memory(self, input_ids=None, **kwargs):
+        if self.training and input_ids.shape[0] > _rows:
+            raise _torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return _forward(self, input_ids=input_ids, **kwargs)
+
+    _Bert.forward = _forward_within_memory
