@@ -140,17 +140,20 @@ def check(
     )
 
     work = Path(tempfile.mkdtemp(prefix="ft-accum-check-"))
+    updates = -(-rows // 8)
     common = [*flags, "--optim", "sgd", "--max_grad_norm", "0", "--num_warmup_steps", "0", "--weight_decay", "0",
               "--lr_scaling", "none", "--num_train_epochs", "1", "--max_eval_samples", str(eval_rows), "--max_train_samples",
-              str(rows), "--effective_batch_size", "8", "--report_to", "none", "--checkpointing_steps", "1",
-              # the rows' own updates, not a config's max_train_steps (a checkpoint per update each)
-              "--max_train_steps", str(-(-rows // 8))]  # fmt: skip
+              str(rows), "--effective_batch_size", "8", "--report_to", "none",
+              # the rows' own updates, not a config's max_train_steps
+              "--max_train_steps", str(updates)]  # fmt: skip
+    # Only the (2 × 4) run's first checkpoint is resumed from: the (8 × 1) run writes none.
+    checkpoints = {"8x1": ["--checkpointing_steps", str(updates + 1)], "2x4": ["--checkpointing_steps", "1"]}
     try:
         with modules_in_eval_mode(), first_layers_only(num_layers):
             outcomes = {}
             for name, micro in (("8x1", 8), ("2x4", 2)):
-                outcomes[name] = run(recipe_path, [*common, "--per_device_train_batch_size", str(micro),
-                                                   "--output_dir", str(work / name)])  # fmt: skip
+                outcomes[name] = run(recipe_path, [*common, *checkpoints[name], "--per_device_train_batch_size",
+                                                   str(micro), "--output_dir", str(work / name)])  # fmt: skip
             if any(outcomes.values()):
                 bad = next(f"{k}: {v.code}" for k, v in outcomes.items() if v)
                 return [*results, Result("the recipe runs at (8 × 1) and (2 × 4)", False, bad[:200])]
@@ -185,8 +188,8 @@ def check(
             resumed = work / "resumed"
             (resumed / "checkpoints").mkdir(parents=True)
             shutil.copytree(work / "2x4" / "checkpoints" / "step_000001", resumed / "checkpoints" / "step_000001")
-            outcome = run(recipe_path, [*common, "--per_device_train_batch_size", "2", "--output_dir", str(resumed),
-                                        "--resume_from_checkpoint", "latest"])  # fmt: skip
+            outcome = run(recipe_path, [*common, *checkpoints["2x4"], "--per_device_train_batch_size", "2",
+                                        "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"])  # fmt: skip
             if outcome:
                 results.append(Result("resume from update 1: bit-identical", False, str(outcome.code)[:200]))
             else:

@@ -318,8 +318,11 @@ def check_resume_signature(saved: dict[str, Any] | None, current: dict[str, Any]
 
 
 def check_finite_parameters(model, what: str) -> None:
-    """Refuse to save NaN or infinite weights: a checkpoint must be worth resuming from."""
-    bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    """Refuse to save NaN or infinite weights: a checkpoint must be worth resuming from. Only trainable
+    parameters are read: frozen ones are the loaded model's, which training does not change, and in
+    a LoRA run they are nearly all of its bytes (each read is a pass over them at every checkpoint)."""
+    trained = ((name, p) for name, p in model.named_parameters() if p.requires_grad)
+    bad = next((name for name, p in trained if not torch.isfinite(p).all()), None)
     if bad is not None:
         raise ConfigError(
             f"parameter {bad} is not finite, so {what} was not saved; lower --learning_rate and resume from the last checkpoint"
