@@ -35,6 +35,7 @@ from ft_accum.testing import (  # noqa: F401  (re-exported for the test modules)
     recipe_args,
     relative_error,
     run_in_process,
+    runs_script,
     snapshot,
     tiny_args,
     tiny_lm_args,

@@ -25,6 +25,7 @@ from conftest import (
     max_abs_difference,
     read_metrics,
     run_in_process,
+    runs_script,
     tiny_args,
     write_jsonl,
 )
@@ -172,19 +173,18 @@ def test_three_seeded_kills_then_resume_is_bit_identical(tmp_path, dropout_model
 
 def test_two_processes_killed_and_resumed_match_an_uninterrupted_two_process_run(tmp_path, dropout_model_dir, data):
     settings = {**COMMON, "per_device_train_batch_size": 1}  # 1 × 2 accumulation × 2 processes: the same 4 per update
-    whole = tmp_path / "whole"
-    result = launch("text_classification", tiny_args(dropout_model_dir, data, whole, **settings), num_processes=2)
-    assert "1 micro × 2 accumulation × 2 processes = 4 samples per update" in result.stdout, "not 2 real processes"
-
-    out = tmp_path / "run"
+    out, whole = tmp_path / "run", tmp_path / "whole"
     process = start(tiny_args(dropout_model_dir, data, out, **settings), num_processes=2)
     kill_when(process, lambda: completed_updates(out) >= 30, "update 30", delay=random.Random(7).uniform(0, 0.05))
     assert not (out / "final").exists()
-    result = launch(
-        "text_classification",
-        tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **settings),
-        num_processes=2,
-    )
+    # The resume, then the uninterrupted run it must equal, in one launch of the same 2 processes
+    # (runs_script: they import everything once); the resume runs first, in fresh processes.
+    runs = [
+        ("text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **settings)),
+        ("text_classification", tiny_args(dropout_model_dir, data, whole, **settings)),
+    ]
+    result = launch("text_classification", [], num_processes=2, script=runs_script(runs, tmp_path))
+    assert "1 micro × 2 accumulation × 2 processes = 4 samples per update" in result.stdout, "not 2 real processes"
     resumed_at = int(result.stdout.split(" at update ")[1].split()[0])
     assert resumed_at < TOTAL_UPDATES, "nothing was left to resume"
 
