@@ -2,8 +2,8 @@
 
 The candidates for `--optim adamw_8bit` (issue 17), side by side on this machine: PyTorch's fused
 AdamW (the reference), bitsandbytes' AdamW8bit, and torchao's AdamW8bit and AdamW4bit when torchao
-is installed (`pip install torchao`; it is not a dependency of this project). One 2048 × 2048 fp32
-weight, the same seeded gradients, 8 steps at LR 1e-3:
+is installed (the [lowmem] extra; --quick leaves them out). One 2048 × 2048 fp32 weight, the same
+seeded gradients, 8 steps at LR 1e-3:
 
 - the first step's seconds (torchao compiles its step with torch.compile) and the median of the rest;
 - the optimizer state's bytes per parameter;
@@ -26,7 +26,7 @@ from ft_accum.testing.benchmarking import machine_info, optimizer_state_bytes
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def candidates() -> dict:
+def candidates(with_torchao: bool = True) -> dict:
     found = {"torch fused AdamW (fp32 states)": lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)}
     try:
         import bitsandbytes
@@ -34,6 +34,8 @@ def candidates() -> dict:
         found["bitsandbytes AdamW8bit"] = lambda p: bitsandbytes.optim.AdamW8bit(p, lr=1e-3)
     except ImportError:
         pass
+    if not with_torchao:
+        return found
     try:
         from torchao.optim import AdamW4bit, AdamW8bit
 
@@ -44,11 +46,11 @@ def candidates() -> dict:
     return found
 
 
-def measure(size: int, steps: int) -> dict:
+def measure(size: int, steps: int, with_torchao: bool = True) -> dict:
     torch.manual_seed(0)
     start = torch.randn(size, size) * 0.02
     results, finals = {}, {}
-    for name, make in candidates().items():
+    for name, make in candidates(with_torchao).items():
         weight = torch.nn.Parameter(start.clone())
         optimizer = make([weight])
         generator = torch.Generator().manual_seed(1)
@@ -73,11 +75,16 @@ def measure(size: int, steps: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a 256 × 256 weight, 3 steps: a smoke test")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a 256 × 256 weight, 3 steps, without torchao's candidates (each step compiles on first use: tens "
+        "of seconds on an empty inductor cache): a smoke test",
+    )
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "optimizer_candidates.json")
     args = parser.parse_args()
     size, steps = (256, 3) if args.quick else (2048, 8)
-    results = measure(size, steps)
+    results = measure(size, steps, with_torchao=not args.quick)
     for name, r in results.items():
         print(f"{name:<34} first step {r['first_step_seconds']:6.2f} s, then {r['step_seconds'] * 1e3:7.1f} ms; "
               f"{r['state_bytes_per_parameter']:.2f} B/param; off fp32 AdamW by "
