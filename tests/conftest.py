@@ -61,8 +61,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def launches_run_without_the_lowmem_extra():
     """Every process a test launches imports tests/fault_hooks/sitecustomize.py, which hides
     bitsandbytes and torchao from it, as an install without the [lowmem] extra has neither: they
-    cost every launched process about 3 CPU-s of imports (transformers and peft import them when
-    installed), and a recipe must not need them unless asked. `launch(..., lowmem=True)` lets a
+    cost every launched process imports (transformers and peft import them when installed; 9.9 →
+    9.1 CPU-s for a tiny text-classification run, docs/tests.md), and a recipe must not need them
+    unless asked. `launch(..., lowmem=True)` lets a
     launch use them. Set here, not at import: xdist workers start after this file is imported,
     and they must keep both for the low-memory tests they run in-process."""
     saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "FT_ACCUM_TEST_WITHOUT_LOWMEM")}

@@ -5,8 +5,8 @@
   the process runs as an install without the [lowmem] extra. bitsandbytes and torchao are hidden:
   `importlib.util.find_spec` returns None for a name that sys.modules maps to None, and importing it
   raises ImportError. transformers (its quantizer registry) and peft import both at start-up when
-  they are installed, about 3 CPU-s per process, in every launch, LoRA or not; and a recipe that
-  needed them without being asked to would fail here.
+  they are installed, in every launch, LoRA or not (0.8 CPU-s per process, measured in
+  docs/tests.md); and a recipe that needed them without being asked to would fail here.
 - FT_ACCUM_FREEZE_BEFORE_PUBLISHING=.tmp-step_000045: the process that is about to rename that
   half-published checkpoint folder into place writes FT_ACCUM_FROZEN_MARKER and stops itself
   (SIGSTOP) instead. The test then SIGKILLs it: a kill inside the checkpoint write, every time.
