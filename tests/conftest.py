@@ -164,16 +164,36 @@ def error_of(recipe: str, args: list[str]) -> str:
     return message
 
 
-def pytest_collection_modifyitems(items) -> None:
-    """Each xdist worker's share starts with its part of the long tests (marked `launch`), then short
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--benchmarks",
+        action="store_true",
+        help="also run the tests marked `benchmarks`: the benchmark scripts' long quick modes and "
+        "gpu_check.py --dry_run (about 3 more minutes on 2 cores)",
+    )
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `benchmarks` are skipped, with the option that runs them as the reason, unless
+    `--benchmarks` is given: they smoke-test benchmark scripts, not the library or the recipes, and
+    would take about a quarter of CI's 12 minutes (docs/tests.md).
+
+    Each xdist worker's share starts with its part of the long tests (marked `launch`), then short
     ones. xdist's worksteal hands worker j the j-th of k equal slices of this list, and an idle worker
     steals from the end of another's: so the workers end on short tests, not one of them on a
     minute-long launch while the other waits. The long tests of one module go to one worker: they
     share its module-scoped fixtures (test_fsdp.py's FSDP launch, test_fault_injection.py's
     uninterrupted run), which each worker that ran one of them would build again."""
+    skipped = set()
+    if not config.getoption("--benchmarks"):
+        skip = pytest.mark.skip(reason="a benchmark script's long smoke test: run with `pytest --benchmarks`")
+        for item in items:
+            if item.get_closest_marker("benchmarks"):
+                item.add_marker(skip)
+                skipped.add(item)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    slow = [item for item in items if item.get_closest_marker("launch")]
-    fast = [item for item in items if not item.get_closest_marker("launch")]
+    slow = [item for item in items if item.get_closest_marker("launch") and item not in skipped]
+    fast = [item for item in items if item not in slow]
     modules: dict[Path, list] = {}
     for item in slow:
         modules.setdefault(item.path, []).append(item)

@@ -1,7 +1,11 @@
-"""The benchmark suite's smoke test: `benchmarks/run_all.py --quick` end to end (tiny models, once).
+"""The benchmark scripts' smoke tests: `benchmarks/run_all.py --quick` end to end (tiny models, once),
+the other scripts' quick modes, and `gpu_check.py --dry_run`.
 
-CI never runs the timings; this checks that every section runs, that the README block is written
-with each section's table and plot, and that the correctness section's claims hold on the way.
+CI never runs the timings. The default run checks that every script starts and shows its --help,
+the quick modes of the low-memory and optimizer benchmarks, and one `gpu_check.py` check on one cell.
+The three long ones (run_all, the loss/profile/packing trio and the full GPU-check dry run: about
+3 of the suite's 13 minutes on 2 cores) are marked `benchmarks` and run with `pytest --benchmarks`:
+before a change to benchmarks/ lands, and before a GPU session (docs/tests.md).
 """
 
 import importlib.util
@@ -24,7 +28,22 @@ def load_run_all():
     return module
 
 
+BENCHMARKS = pytest.mark.benchmarks  # skipped unless `pytest --benchmarks` (tests/conftest.py)
+
+
+@pytest.mark.parametrize(
+    "script",
+    # The two without a command line (bench_memory_planner.py, deepspeed_cpu_probe.py) run when started.
+    sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if "ArgumentParser(" in p.read_text()),
+)
+def test_every_benchmark_script_starts_and_shows_its_help(script, capsys):
+    """Imports, options and help text of each script, in the default run: what the skipped quick modes
+    would catch first."""
+    assert "usage:" in run_script(script, "--help", capsys=capsys)  # run_script: exit code 0 too
+
+
 @pytest.mark.launch
+@BENCHMARKS
 def test_run_all_quick_writes_every_section(tmp_path):
     run_all = load_run_all()
     (tmp_path / "README.md").write_text(
@@ -77,6 +96,7 @@ def run_script(name: str, *args: str, capsys=None) -> str:
 
 
 @pytest.mark.launch
+@BENCHMARKS
 def test_output_loss_profile_and_packing_benchmarks_run_quick(tmp_path):
     run_script("bench_output_loss.py", "--quick", "--output", str(tmp_path / "output_loss.json"))
     results = json.loads((tmp_path / "output_loss.json").read_text())
@@ -119,6 +139,7 @@ def test_optimizer_candidates_benchmark_runs_quick(tmp_path):
 
 
 @pytest.mark.launch
+@BENCHMARKS
 def test_gpu_check_dry_run_exercises_every_check_it_can_on_cpu(tmp_path, capsys):
     """The GPU check must not first break on the GPU machine: its dry run runs checks 1–4 on CPU."""
     out = run_script("gpu_check.py", "--dry_run", "--output", str(tmp_path / "gpu_check.json"), capsys=capsys)
