@@ -8,7 +8,8 @@ rows of whatever data and model your flags (or the recipe's config) give:
    loss, gradient norm and counts, and final weights, within `TOLERANCE` (relative). The rows
    (`--rows`, 20 by default) leave a short last window (8 + 8 + 4). Evaluation (before training
    and after the epoch) runs on the first 4 validation rows (`--eval_rows`): it is run, not compared.
-3. A run resumed from its first checkpoint ends bit-identical to the uninterrupted run.
+3. A run resumed from the checkpoint before its last update (the short window) ends bit-identical
+   to the uninterrupted run.
 
 The runs use SGD without clipping, warm-up, weight decay or LR scaling, so an update is linear in
 its gradient and a wrong scale shows at its size (AdamW would hide most of it). Every module is
@@ -146,8 +147,13 @@ def check(
               str(rows), "--effective_batch_size", "8", "--report_to", "none",
               # the rows' own updates, not a config's max_train_steps
               "--max_train_steps", str(updates)]  # fmt: skip
-    # Only the (2 × 4) run's first checkpoint is resumed from: the (8 × 1) run writes none.
-    checkpoints = {"8x1": ["--checkpointing_steps", str(updates + 1)], "2x4": ["--checkpointing_steps", "1"]}
+    # The resume runs the last update only (the cheapest, and the short window after a restore); the
+    # (2 × 4) run writes the checkpoint it starts from, the (8 × 1) run writes none.
+    resume_step = max(1, updates - 1)
+    checkpoints = {
+        "8x1": ["--checkpointing_steps", str(updates + 1)],
+        "2x4": ["--checkpointing_steps", str(resume_step)],
+    }
     try:
         with modules_in_eval_mode(), first_layers_only(num_layers):
             outcomes = {}
@@ -187,16 +193,23 @@ def check(
 
             resumed = work / "resumed"
             (resumed / "checkpoints").mkdir(parents=True)
-            shutil.copytree(work / "2x4" / "checkpoints" / "step_000001", resumed / "checkpoints" / "step_000001")
+            step = f"step_{resume_step:06d}"
+            shutil.copytree(work / "2x4" / "checkpoints" / step, resumed / "checkpoints" / step)
             outcome = run(recipe_path, [*common, *checkpoints["2x4"], "--per_device_train_batch_size", "2",
                                         "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"])  # fmt: skip
             if outcome:
-                results.append(Result("resume from update 1: bit-identical", False, str(outcome.code)[:200]))
+                results.append(
+                    Result(f"resume from update {resume_step}: bit-identical", False, str(outcome.code)[:200])
+                )
             else:
                 ours, theirs = final_weights(resumed), final_weights(work / "2x4")
                 worst = max(float((ours[k].double() - theirs[k].double()).abs().max()) for k in theirs)
                 results.append(
-                    Result("resume from update 1: bit-identical", worst == 0.0, f"max |difference| {worst:.1e}")
+                    Result(
+                        f"resume from update {resume_step}: bit-identical",
+                        worst == 0.0,
+                        f"max |difference| {worst:.1e}",
+                    )
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)
