@@ -2,8 +2,9 @@
 the other scripts' quick modes, and `gpu_check.py --dry_run`.
 
 CI never runs the timings. The default run checks that every script starts and shows its --help,
-the quick modes of the low-memory and optimizer benchmarks, and one `gpu_check.py` check on one cell.
-The three long ones (run_all, the loss/profile/packing trio and the full GPU-check dry run: about
+the quick modes of the low-memory and optimizer benchmarks and of profile_update.py (whose host
+synchronisations per update the test bounds), and one `gpu_check.py` check on one cell.
+The three long ones (run_all, the loss and packing quick modes, and the full GPU-check dry run: about
 3 of the suite's 13 minutes on 2 cores) are marked `benchmarks` and run with `pytest --benchmarks`:
 before a change to benchmarks/ lands, and before a GPU session (docs/tests.md).
 """
@@ -96,17 +97,21 @@ def run_script(name: str, *args: str, capsys=None) -> str:
 
 
 @pytest.mark.launch
+def test_the_recipe_adds_at_most_one_host_synchronisation_per_update(tmp_path):
+    run_script("profile_update.py", "--quick", "--output", str(tmp_path / "profile.json"))
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert set(profile) == {"quick", "plain", "recipe, logits", "recipe"}
+    # The window's all-reduce, and none per micro-batch: a sync per micro-batch stalls a GPU's queue.
+    assert profile["recipe"]["host_syncs_per_update"] <= profile["plain"]["host_syncs_per_update"] + 1
+
+
+@pytest.mark.launch
 @BENCHMARKS
-def test_output_loss_profile_and_packing_benchmarks_run_quick(tmp_path):
+def test_output_loss_and_packing_benchmarks_run_quick(tmp_path):
     run_script("bench_output_loss.py", "--quick", "--output", str(tmp_path / "output_loss.json"))
     results = json.loads((tmp_path / "output_loss.json").read_text())
     assert {row["micro"] for row in results["memory"]} == {1, 2}
     assert all(set(row["seconds"]) == {"model", "logits", "chunked"} for row in results["time"])
-    run_script("profile_update.py", "--quick", "--output", str(tmp_path / "profile.json"))
-    profile = json.loads((tmp_path / "profile.json").read_text())
-    assert set(profile) == {"quick", "plain", "recipe, logits", "recipe"}
-    # The recipe adds at most one host synchronisation per update (the window's all-reduce), none per micro-batch.
-    assert profile["recipe"]["host_syncs_per_update"] <= profile["plain"]["host_syncs_per_update"] + 1
     run_script("bench_packing.py", "--quick", "--output", str(tmp_path / "packing.json"))
     packing = json.loads((tmp_path / "packing.json").read_text())
     assert all(rate > 0 for rate in packing["median_assistant_tokens_per_second"].values())

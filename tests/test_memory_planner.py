@@ -1,8 +1,6 @@
 """The memory planner: exact accounting, linearity, checkpointing, fake vs real tensors, the CLI, bad input."""
 
 import json
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
@@ -168,32 +166,20 @@ def test_plan_recommends_the_fastest_split_that_fits(tmp_path):
     assert not faster_fitting
 
 
-@pytest.mark.launch
 def test_plan_cli_offline_with_a_config_file_and_json(tmp_path, capsys):
+    """`ft-accum plan`'s main, in this process (tests/test_sweep.py starts the same CLI as a process)."""
+    from ft_accum.cli.main import main as cli_main
+
     config_file = tmp_path / "config.json"
     config_file.write_text(tiny_gpt2().to_json_string())
-    command = [
-        sys.executable,
-        "-m",
-        "ft_accum.cli.main",
-        "plan",
-        "--config",
-        str(config_file),
-        "--seq_len",
-        "64",
-        "--effective_batch_size",
-        "8",
-        "--gpu_memory",
-        "1GiB",
-    ]
-    table = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert table.returncode == 0, table.stderr
-    assert "recommended: --per_device_train_batch_size 8 --gradient_accumulation_steps 1" in table.stdout
-    assert "nothing fits" not in table.stdout
-    from ft_accum.cli.main import main as cli_main  # the same command with --json, in this process
-
+    flags = ["plan", "--config", str(config_file), "--seq_len", "64", "--effective_batch_size", "8",
+             "--gpu_memory", "1GiB"]  # fmt: skip
     capsys.readouterr()
-    assert cli_main([*command[3:], "--json"]) in (0, None)
+    assert cli_main(flags) in (0, None)
+    table = capsys.readouterr().out
+    assert "recommended: --per_device_train_batch_size 8 --gradient_accumulation_steps 1" in table
+    assert "nothing fits" not in table
+    assert cli_main([*flags, "--json"]) in (0, None)
     result = json.loads(capsys.readouterr().out)
     assert {r["per_device_train_batch_size"] for r in result["candidates"]} == {1, 2, 4, 8}
     assert result["recommended"]["per_device_train_batch_size"] == 8
