@@ -21,7 +21,6 @@ import pytest
 import torch
 from conftest import (
     error_of,
-    launch,
     make_rows,
     run_in_process,
     snapshot,
@@ -489,16 +488,3 @@ def test_overwrite_output_dir_replaces_a_finished_run(tmp_path, previous_runs, t
     )
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
     assert not (out / "checkpoints").exists(), "the old run's checkpoints were kept beside the new run"
-
-
-@pytest.mark.launch
-def test_error_through_accelerate_launch_is_one_line_from_the_recipe(tmp_path, tiny_model_dir, data_files):
-    result = launch(
-        "text_classification",
-        tiny_args(tiny_model_dir, data_files, tmp_path / "out", label_column="topic"),
-        check=False,
-    )
-    assert result.returncode != 0
-    assert "error: --label_column 'topic' is not a column of the train split" in result.stderr
-    # accelerate launch adds its own CalledProcessError traceback; the recipe itself must not.
-    assert 'text_classification.py", line' not in result.stderr

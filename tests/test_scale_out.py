@@ -51,6 +51,9 @@ def test_a_config_runs_the_engine_it_names_or_is_refused_naming_it(
     result = run_with_stack_dump(command, env, timeout=300, cwd=ROOT)
     output = result.stderr + result.stdout
     assert result.returncode != 0 and f"error: {expected}" in output, output[-3000:]
+    # An error through the launcher is the recipe's one line: accelerate launch adds its own
+    # CalledProcessError traceback, the recipe none (tests/test_bad_inputs.py has the others in-process).
+    assert 'text_classification.py", line' not in result.stderr
     if config_name == "multi_gpu_ddp.yaml":  # a DDP config's refusal must not talk of FSDP or DeepSpeed
         assert not {"FSDP", "DeepSpeed"} & set(output.split(expected)[1].splitlines()[0].split())
     assert not (tmp_path / "out" / "all_results.json").exists()
