@@ -195,10 +195,9 @@ def slow_args(tiny_model_dir, data_files, out, **overrides):
     return tiny_args(tiny_model_dir, data_files, out, **settings)
 
 
-def start_holder(args):
-    process = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "text_classification.py"), *args], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    return process
+def start_holder(args, log):
+    return subprocess.Popen([sys.executable, str(ROOT / "recipes" / "text_classification.py"), *args], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
 
 
 def wait_for(condition, process, seconds=300):
@@ -209,10 +208,15 @@ def wait_for(condition, process, seconds=300):
 
 
 @pytest.mark.launch
-def test_one_run_per_output_folder_and_kill_9_frees_it(tmp_path, tiny_model_dir, data_files):
-    """Silent failure 4: two runs in one folder both exited 0 with interleaved metrics and checkpoints."""
+def test_one_run_per_output_folder_and_ctrl_c_saves_and_frees_it(tmp_path, tiny_model_dir, data_files):
+    """Silent failure 4: two runs in one folder both exited 0 with interleaved metrics and checkpoints.
+    The holder is a run started with plain `python`: Ctrl-C (SIGINT) ends it with 130 after a
+    checkpoint, printing the `python` command that resumes it (through `accelerate launch`:
+    tests/test_launcher_stop.py). That a SIGKILLed run frees the folder, every resume of
+    tests/test_fault_injection.py shows."""
     out = tmp_path / "run"
-    holder = start_holder(slow_args(tiny_model_dir, data_files, out))
+    with open(tmp_path / "log", "w") as log:
+        holder = start_holder(slow_args(tiny_model_dir, data_files, out), log)
     try:
         wait_for(
             lambda: (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step_*/training_state.json")),
@@ -224,10 +228,17 @@ def test_one_run_per_output_folder_and_kill_9_frees_it(tmp_path, tiny_model_dir,
             message = str(exit_info.value.code)
             assert f"is in use by another run (PID {holder.pid})" in message and "\n" not in message, message
         assert (out / "checkpoints").is_dir(), "--overwrite_output_dir deleted the running run's files"
+        holder.send_signal(signal.SIGINT)
+        assert holder.wait(timeout=300) == 130, (tmp_path / "log").read_text()[-3000:]
     finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    output = (tmp_path / "log").read_text()
+    script = ROOT / "recipes" / "text_classification.py"
+    assert f"python {script}" in output and "--resume_from_checkpoint latest" in output, output[-3000:]
     done = len(read_metrics(out))
+    assert (out / "checkpoints" / f"step_{done:06d}" / "training_state.json").is_file()
     results = run_in_process(
         "text_classification",
         slow_args(tiny_model_dir, data_files, out, resume_from_checkpoint="latest", max_train_steps=done + 4),

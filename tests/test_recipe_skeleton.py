@@ -1,13 +1,6 @@
-"""The shared recipe skeleton: every recipe offers every general feature, and a signal stops a run
-gracefully (checkpoint, resume command, 128 + signum) so that the resumed run is bit-identical."""
+"""The shared recipe skeleton: every recipe offers every general feature. (A signal's graceful stop:
+tests/test_launcher_stop.py through the launcher, tests/test_no_silent_failures.py with plain python.)"""
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
-import pytest
 from conftest import ROOT, read_metrics, run_in_process, tiny_args
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
@@ -28,38 +21,3 @@ def test_the_features_run_together_in_one_recipe(tmp_path, tiny_model_dir, data_
     assert {r["effective_batch_size"] for r in records} == {8, 16}
     assert all("noise_scale" in r for r in records)
     assert results["num_update_steps"] == len(records) and (out / "checkpoints").is_dir()
-
-
-def slow_run_args(tiny_model_dir, data_files, out):
-    # Enough updates that the signal lands mid-run, in several epochs, with dropout-free tiny BERT.
-    return tiny_args(tiny_model_dir, data_files, out, per_device_train_batch_size=4, effective_batch_size=8,
-                     max_train_steps=150, num_train_epochs=100)  # fmt: skip
-
-
-def load_final(output_dir):
-    from safetensors.torch import load_file
-
-    return load_file(str(output_dir / "final" / "model.safetensors"))
-
-
-@pytest.mark.launch
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130)])  # through the launcher: test_launcher_stop.py
-def test_a_signal_exits_with_128_plus_its_number_after_saving(tmp_path, tiny_model_dir, data_files, signum, code):
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        str(ROOT / "recipes" / "text_classification.py"),
-        *slow_run_args(tiny_model_dir, data_files, out),
-    ]
-    process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
-        assert process.poll() is None and time.monotonic() < deadline, "the run ended before it could be signalled"
-        time.sleep(0.05)
-    process.send_signal(signum)
-    output, _ = process.communicate(timeout=300)
-    assert process.returncode == code, output[-3000:]
-    assert f"python {cmd[1]}" in output and "--resume_from_checkpoint latest" in output
-    assert any((out / "checkpoints").glob("step_*/training_state.json"))
