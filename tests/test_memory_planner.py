@@ -141,7 +141,7 @@ def test_interpolated_micro_batches_stay_close_to_direct_traces():
 
 def test_plan_recommends_the_fastest_split_that_fits(tmp_path):
     config_file = tmp_path / "config.json"
-    config_file.write_text(tiny_gpt2(4).to_json_string())
+    config_file.write_text(tiny_gpt2().to_json_string())
     big = mp.plan(str(config_file), task="causal_lm", seq_len=128, effective_batch_size=16, gpu_memory_gib=80)
     assert big["recommended"]["per_device_train_batch_size"] == 16 and not big["recommended"]["gradient_checkpointing"]
     # A card where micro-batch 4 without checkpointing just fits, and 16 does not.
