@@ -169,14 +169,14 @@ def pytest_addoption(parser) -> None:
         "--benchmarks",
         action="store_true",
         help="also run the tests marked `benchmarks`: the benchmark scripts' long quick modes and "
-        "gpu_check.py --dry_run (about 3 more minutes on 2 cores)",
+        "gpu_check.py --dry_run (about 2 more minutes with 2 workers)",
     )
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests marked `benchmarks` are skipped, with the option that runs them as the reason, unless
     `--benchmarks` is given: they smoke-test benchmark scripts, not the library or the recipes, and
-    would take about a quarter of CI's 12 minutes (docs/tests.md).
+    take about 3 minutes of test time, 1.5 of CI's 12 minutes on 2 workers (docs/tests.md).
 
     Each xdist worker's share starts with its part of the long tests (marked `launch`), then short
     ones. xdist's worksteal hands worker j the j-th of k equal slices of this list, and an idle worker

@@ -5,7 +5,7 @@ CI never runs the timings. The default run checks that every script starts and s
 the quick modes of the low-memory and optimizer benchmarks and of profile_update.py (whose host
 synchronisations per update the test bounds), and one `gpu_check.py` check on one cell.
 The three long ones (run_all, the loss and packing quick modes, and the full GPU-check dry run: about
-3 of the suite's 13 minutes on 2 cores) are marked `benchmarks` and run with `pytest --benchmarks`:
+3 minutes of test time, 2 minutes on 2 workers) are marked `benchmarks` and run with `pytest --benchmarks`:
 before a change to benchmarks/ lands, and before a GPU session (docs/tests.md).
 """
 
