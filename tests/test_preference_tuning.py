@@ -21,9 +21,7 @@ from ft_accum.testing import (
     relative_error,
 )
 
-# DPO with LoRA and in full: its two kinds of reference. SimPO and ORPO are reference-free, and LoRA or
-# not changes no term of their losses, only which weights train: one of each.
-VARIANTS = [("dpo", True), ("dpo", False), ("simpo", True), ("orpo", False)]
+VARIANTS = [("dpo", True), ("dpo", False), ("simpo", True), ("simpo", False), ("orpo", True), ("orpo", False)]
 
 
 @pytest.fixture(scope="module")
@@ -196,10 +194,10 @@ def test_precomputed_reference_log_probs_equal_a_frozen_copy_and_resume_from_the
 
 @pytest.mark.launch
 def test_split_windows_and_two_ddp_processes_equal_the_full_batch(tmp_path, chat_lm_dir, pair_files):
-    """(8 × 1) = (2 × 4) = 2 processes × (2 × 2) for DPO with LoRA and in full, SimPO with LoRA and
-    ORPO in full (VARIANTS), through `accelerate launch`: 13 pairs leave a short last window of 5 pairs (micro-batches of 2,
+    """(8 × 1) = (2 × 4) = 2 processes × (2 × 2) for DPO, SimPO and ORPO, each with LoRA and in full,
+    through `accelerate launch`: 13 pairs leave a short last window of 5 pairs (micro-batches of 2,
     2 and 1 at 2 × 4; 3 pairs on process 0 and 2 on process 1, whose second micro-batch is only
-    Accelerate's repeats); responses differ 5× and more. The four DDP runs share one launch
+    Accelerate's repeats); responses differ 5× and more. The six DDP runs share one launch
     (ft_accum/testing/recipe_runs.py)."""
     runs = {variant: {} for variant in VARIANTS}
     for (loss, use_lora), outputs in runs.items():
