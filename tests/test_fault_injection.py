@@ -182,7 +182,11 @@ def test_two_processes_killed_and_resumed_match_an_uninterrupted_two_process_run
     # (runs_script: they import everything once); the resume runs first, in fresh processes.
     runs = [
         ("text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **settings)),
-        ("text_classification", tiny_args(dropout_model_dir, data, whole, **settings)),
+        # Uninterrupted, and with no checkpoints: writing them must not change the run either.
+        (
+            "text_classification",
+            tiny_args(dropout_model_dir, data, whole, **{**settings, "checkpointing_steps": None}),
+        ),
     ]
     result = launch("text_classification", [], num_processes=2, script=runs_script(runs, tmp_path))
     assert "1 micro × 2 accumulation × 2 processes = 4 samples per update" in result.stdout, "not 2 real processes"
