@@ -108,6 +108,7 @@ def test_a_sweep_finishes_its_runs_isolates_a_failure_and_replans_an_out_of_memo
     assert [r["status"] for r in rows] == ["failed", "replanned"]
     row, run_dir = rows[1], tmp_path / "sweep_out" / list(state)[1]
     assert row["effective_batch_size"] == "16" and row["per_device_train_batch_size"] == "4" and row["updates"] == "2"
+    assert 0.0 <= float(row["eval_accuracy"]) <= 1.0
     # Its own metrics: those of the replanned attempt, which trained at micro-batch 4.
     assert float(row["eval_loss"]) == json.loads((run_dir / "all_results.json").read_text())["eval_loss"]
     assert {r["per_device_train_batch_size"] for r in read_metrics(run_dir)} == {4}
@@ -147,6 +148,11 @@ def test_a_killed_sweep_resumes_without_repeating_finished_runs(tmp_path, tiny_m
     assert [r["status"] for r in state.values()] == ["ok"] * 2
     assert state["seed=1"]["attempts"] == 1 and (out / "seed=1" / "all_results.json").read_text() == run_1_results
     assert state["seed=2"]["attempts"] == 2 and "Resumed from" in (out / "seed=2" / "log.txt").read_text()
+    # Both rows of the results: the runs that finished, the first at once, with their own metrics.
+    rows = read_results(tmp_path)
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(0.0 <= float(r["eval_accuracy"]) <= 1.0 for r in rows)
+    assert len({r["eval_loss"] for r in rows}) == 2, "different runs should not give identical losses"
+    assert (out / "results.md").read_text().count("| ok |") == 2
     # Run 2, resumed, ends where an uninterrupted run with its settings ends.
     whole = tmp_path / "whole"
     run_in_process(
