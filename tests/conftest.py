@@ -192,8 +192,12 @@ def pytest_collection_modifyitems(config, items) -> None:
                 item.add_marker(skip)
                 skipped.add(item)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    slow = [item for item in items if item.get_closest_marker("launch") and item not in skipped]
-    fast = [item for item in items if item not in slow]
+
+    def is_long(item) -> bool:
+        return item.get_closest_marker("launch") is not None and item not in skipped
+
+    slow = [item for item in items if is_long(item)]
+    fast = [item for item in items if not is_long(item)]
     modules: dict[Path, list] = {}
     for item in slow:
         modules.setdefault(item.path, []).append(item)

@@ -197,20 +197,13 @@ def check(
             shutil.copytree(work / "2x4" / "checkpoints" / step, resumed / "checkpoints" / step)
             outcome = run(recipe_path, [*common, *checkpoints["2x4"], "--per_device_train_batch_size", "2",
                                         "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"])  # fmt: skip
+            name = f"resume from update {resume_step}: bit-identical"
             if outcome:
-                results.append(
-                    Result(f"resume from update {resume_step}: bit-identical", False, str(outcome.code)[:200])
-                )
+                results.append(Result(name, False, str(outcome.code)[:200]))
             else:
                 ours, theirs = final_weights(resumed), final_weights(work / "2x4")
                 worst = max(float((ours[k].double() - theirs[k].double()).abs().max()) for k in theirs)
-                results.append(
-                    Result(
-                        f"resume from update {resume_step}: bit-identical",
-                        worst == 0.0,
-                        f"max |difference| {worst:.1e}",
-                    )
-                )
+                results.append(Result(name, worst == 0.0, f"max |difference| {worst:.1e}"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return results
