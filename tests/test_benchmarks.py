@@ -80,9 +80,10 @@ def test_run_all_quick_writes_every_section(tmp_path):
     assert "skipped" in accuracy or len(accuracy["runs"]) == 5  # SST-2 lives in ../shared, absent on CI
 
 
-def run_script(name: str, *args: str, capsys=None) -> str:
+def run_script(name: str, *args: str, capsys=None, exit_code: int = 0) -> str:
     """`python benchmarks/<name> args`, run in this process (runpy, as __main__): the script is the
-    same, without a new interpreter importing torch and transformers each time. What it printed."""
+    same, without a new interpreter importing torch and transformers each time. What it printed;
+    the script's exit code must be `exit_code`."""
     from ft_accum.testing import reset_accelerate_state
 
     # patch.dict restores the environment: gpu_check.py sets ACCELERATE_MIXED_PRECISION per run.
@@ -90,7 +91,9 @@ def run_script(name: str, *args: str, capsys=None) -> str:
         try:
             runpy.run_path(str(ROOT / "benchmarks" / name), run_name="__main__")
         except SystemExit as exc:
-            assert exc.code in (0, None), exc.code
+            assert (exc.code or 0) == exit_code, exc.code
+        else:
+            assert exit_code == 0
         finally:
             reset_accelerate_state()
     return capsys.readouterr().out if capsys else ""
@@ -164,7 +167,48 @@ def test_gpu_check_dry_run_exercises_every_check_it_can_on_cpu(tmp_path, capsys)
 
 
 @pytest.mark.launch
-def test_gpu_check_runs_only_the_checks_asked_for(tmp_path):
-    run_script("gpu_check.py", "--dry_run", "--checks", "3", "--cells", "t5", "--output", str(tmp_path / "g.json"))
-    rows = json.loads((tmp_path / "g.json").read_text())["rows"]
-    assert [r["cell"] for r in rows] == ["tiny-t5-base seq2seq 32 full"] and rows[0]["pass"]
+def test_gpu_check_runs_the_checks_asked_for_as_the_gpu_machine_does(tmp_path):
+    """As benchmarks/gpu_run.sh runs it there: the MiniLM's config and tokenizer without its weights
+    (benchmarks/gpu_prepare.py), and the checks in the order given, where one that raises is a failed
+    row and the rest still run."""
+    import shutil
+
+    from ft_accum.data.offline_assets import bundled_minilm_dir
+
+    minilm = tmp_path / "minilm"
+    shutil.copytree(bundled_minilm_dir(), minilm, ignore=shutil.ignore_patterns("model.safetensors"))
+    args = ("--dry_run", "--checks", "9,3", "--cells", "t5", "--minilm_dir", str(minilm))
+    run_script("gpu_check.py", *args, "--output", str(tmp_path / "g.json"), exit_code=1)
+    results = json.loads((tmp_path / "g.json").read_text())
+    assert results["minilm_weights"].startswith("random")
+    broken, cell = results["rows"]
+    assert broken["check"] == "check 9" and "no check 9" in broken["measured"] and not broken["pass"]
+    assert cell["cell"] == "tiny-t5-base seq2seq 32 full" and cell["pass"]
+
+
+def test_gpu_prepare_keeps_only_the_bitsandbytes_libraries_the_gpu_machine_loads(tmp_path):
+    """The carried bitsandbytes wheel keeps its CPU and CUDA 13 libraries (the machine's torch is a
+    CUDA 13 build) and a RECORD that lists only what is in the wheel."""
+    import zipfile
+
+    module = runpy.run_path(str(ROOT / "benchmarks" / "gpu_prepare.py"))
+    names = [f"bitsandbytes/libbitsandbytes_{k}.so" for k in ("cpu", "cuda118", "cuda128", "cuda130", "rocm64")]
+    names.append("bitsandbytes/__init__.py")
+    wheel = tmp_path / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name in names:
+            archive.writestr(name, name)
+        archive.writestr("bitsandbytes-0.50.2.dist-info/RECORD", "".join(f"{n},sha256=x,1\n" for n in names))
+    module["without_files"](wheel, module["UNUSED_BITSANDBYTES_LIBRARY"])
+    with zipfile.ZipFile(wheel) as archive:
+        kept = [n for n in archive.namelist() if not n.endswith("RECORD")]
+        record = archive.read("bitsandbytes-0.50.2.dist-info/RECORD").decode()
+    assert [Path(n).name for n in kept] == ["libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so", "__init__.py"]
+    assert [line.split(",")[0] for line in record.splitlines()] == kept
+
+
+def test_gpu_run_script_parses():
+    """benchmarks/gpu_run.sh runs only on the GPU machine: a syntax error there would cost a loan."""
+    import subprocess
+
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_run.sh")], check=True)
