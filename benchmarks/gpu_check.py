@@ -23,9 +23,10 @@ torch, transformers, accelerate, peft, and this project's [demo] data packages, 
    AdamW, LR 1e-4 with linear decay, clipping at 1.0, 12 updates of which the first 2 are warm-up;
    two rounds in opposite orders. Pass: recipe ≥ 0.98× the plain loop and ≥ 1.0× the Trainer; the
    peaks are reported (goal: the recipe's no more than either).
-   Also reported, not judged: the recipe with --torch_compile, with --offload_activations (activation
-   offloading's cost in speed and its peak, and the copy bandwidth that cost implies for the
-   planner's `--pcie_gbps`) and with --gradient_checkpointing (the alternative it competes with).
+   Then reported, not judged, one run each after the judged rounds: the recipe with --torch_compile,
+   with --offload_activations (activation offloading's cost in speed and its peak, and the copy
+   bandwidth that cost implies for the planner's `--pcie_gbps`) and with --gradient_checkpointing
+   (the alternative it competes with).
 5. real OOM replan: the recipe at micro-batch 256 × 1 with --auto_micro_batch, under
    `set_per_process_memory_fraction` at 3× the peak of a micro-batch-8 run: it must hit a real CUDA
    OOM, halve until it fits, finish, and match a run started at the micro-batch it ended on.
@@ -56,6 +57,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -117,10 +119,9 @@ def launch_with_config(config: str, args: list[str], output_dir: Path, in_proces
 
 def check_mixed_precision(
     model_dir: Path, precisions, updates: int, seq_len: int, in_process: bool = False
-) -> list[dict]:
+) -> Iterator[dict]:
     from ft_accum.testing import final_weights, relative_error
 
-    rows = []
     for precision in precisions:
         with tempfile.TemporaryDirectory() as out:
             common = [
@@ -149,15 +150,12 @@ def check_mixed_precision(
                 in_process,
             )
             error = relative_error(final_weights(Path(out) / "accumulated"), final_weights(Path(out) / "full"))
-        rows.append(
-            {
-                "check": f"(8 × 1) = (2 × 4), {precision if precision != 'no' else 'fp32'}",
-                "measured": f"{error:.1e}",
-                "bound": f"≤ {TOLERANCE[precision]:.0e}",
-                "pass": error <= TOLERANCE[precision],
-            }
-        )
-    return rows
+        yield {
+            "check": f"(8 × 1) = (2 × 4), {precision if precision != 'no' else 'fp32'}",
+            "measured": f"{error:.1e}",
+            "bound": f"≤ {TOLERANCE[precision]:.0e}",
+            "pass": error <= TOLERANCE[precision],
+        }
 
 
 def random_model_dir(config, task: str, path: Path) -> Path:
@@ -217,7 +215,7 @@ def shrink_for_dry_run(gpt2_config) -> None:
     gpt2_config.vocab_size = DRY_RUN_VOCAB
 
 
-def check_planner(models: Path, dry_run: bool) -> list[dict]:
+def check_planner(models: Path, dry_run: bool) -> Iterator[dict]:
     from ft_accum.planner.memory_planner import load_model_config, trace_micro_batches
 
     config = load_model_config("gpt2-124m")
@@ -226,7 +224,6 @@ def check_planner(models: Path, dry_run: bool) -> list[dict]:
         shrink_for_dry_run(config)
         block, micros = 64, [2]
     model_dir = random_model_dir(config, "causal_lm", models / "gpt2-planner")
-    rows = []
     for checkpointing in (False, True):
         settings = dict(task="causal_lm", seq_len=block, precision="bf16-mixed", gradient_checkpointing=checkpointing)
         traced = trace_micro_batches(config, micros, **settings)
@@ -234,17 +231,14 @@ def check_planner(models: Path, dry_run: bool) -> list[dict]:
             predicted = max(e.peak for e in traced[micro]) / 2**30
             _, measured, _ = recipe_run("causal_lm", lm_args(model_dir, block, micro, 1, 3, checkpointing), "bf16")
             ratio = predicted / measured
-            rows.append(
-                {
-                    "check": f"planner / recipe peak, GPT-2 124M, {micro} × {block}, checkpointing {'on' if checkpointing else 'off'}",
-                    "predicted_gib": predicted,
-                    "measured_gib": measured,
-                    "measured": f"{predicted:.2f} / {measured:.2f} GiB = {ratio:.3f}",
-                    "bound": "0.90–1.10",
-                    "pass": dry_run or 0.9 <= ratio <= 1.1,
-                }
-            )
-    return rows
+            yield {
+                "check": f"planner / recipe peak, GPT-2 124M, {micro} × {block}, checkpointing {'on' if checkpointing else 'off'}",
+                "predicted_gib": predicted,
+                "measured_gib": measured,
+                "measured": f"{predicted:.2f} / {measured:.2f} GiB = {ratio:.3f}",
+                "bound": "0.90–1.10",
+                "pass": dry_run or 0.9 <= ratio <= 1.1,
+            }
 
 
 def dry_run_cells(models: Path) -> list[dict]:
@@ -289,12 +283,11 @@ def dry_run_cells(models: Path) -> list[dict]:
     return cells
 
 
-def check_12gb_table(models: Path, cells: list[dict]) -> list[dict]:
+def check_12gb_table(models: Path, cells: list[dict]) -> Iterator[dict]:
     from ft_accum.planner.memory_planner import load_model_config, recipe_flags
 
     cuda = torch.cuda.is_available()
     total = torch.cuda.get_device_properties(0).total_memory if cuda else None
-    rows = []
     for cell in cells:
         if cell.get("lora_r") and cell["task"] != "causal_lm":
             continue  # only the causal-LM recipe has LoRA
@@ -331,18 +324,15 @@ def check_12gb_table(models: Path, cells: list[dict]) -> list[dict]:
         finally:
             if cuda:
                 torch.cuda.set_per_process_memory_fraction(1.0)
-        rows.append(
-            {
-                "check": f"12 GB table: {cell['cell']}, {micro} × {accumulation}, under {CAP_GIB} GiB",
-                "cell": cell["cell"],
-                "predicted_gib": cell["predicted_gib"],
-                "measured_gib": measured,
-                "measured": error or f"peak {measured:.2f} GiB (predicted {cell['predicted_gib']:.2f})",
-                "bound": f"no OOM under {CAP_GIB} GiB",
-                "pass": error is None,
-            }
-        )
-    return rows
+        yield {
+            "check": f"12 GB table: {cell['cell']}, {micro} × {accumulation}, under {CAP_GIB} GiB",
+            "cell": cell["cell"],
+            "predicted_gib": cell["predicted_gib"],
+            "measured_gib": measured,
+            "measured": error or f"peak {measured:.2f} GiB (predicted {cell['predicted_gib']:.2f})",
+            "bound": f"no OOM under {CAP_GIB} GiB",
+            "pass": error is None,
+        }
 
 
 def check_oom_replan(model_dir: Path) -> list[dict]:
@@ -493,7 +483,7 @@ def run_recipe_checkpointed(model_dir, rows, micro, accumulation, updates) -> tu
     return run_recipe(model_dir, rows, micro, accumulation, updates, "--gradient_checkpointing")
 
 
-def check_throughput(models: Path, dry_run: bool) -> list[dict]:
+def check_throughput(models: Path, dry_run: bool) -> Iterator[dict]:
     from ft_accum.planner.memory_planner import load_model_config
 
     config = load_model_config("gpt2-124m")
@@ -504,10 +494,6 @@ def check_throughput(models: Path, dry_run: bool) -> list[dict]:
     model_dir = random_model_dir(config, "causal_lm", models / "gpt2-throughput")
     rows = packed_rows(model_dir, block, micro * accumulation * updates)
     loops = {"plain": run_plain, "trainer": run_trainer, "recipe": run_recipe}
-    if not dry_run:  # what --torch_compile buys, and what offloading costs, on a GPU (reported, not judged)
-        loops["recipe --torch_compile"] = run_recipe_compiled
-        loops["recipe --offload_activations"] = run_recipe_offloaded
-        loops["recipe --gradient_checkpointing"] = run_recipe_checkpointed
     rates, peaks = {name: [] for name in loops}, {}
     for order in [list(loops)] if dry_run else (list(loops), list(reversed(loops))):
         for name in order:
@@ -516,43 +502,52 @@ def check_throughput(models: Path, dry_run: bool) -> list[dict]:
     median = {name: statistics.median(values) for name, values in rates.items()}
     vs_plain, vs_trainer = median["recipe"] / median["plain"], median["recipe"] / median["trainer"]
     figures = ", ".join(f"{n} {median[n] * block:,.0f} tokens/s, peak {peaks[n]:.2f} GiB" for n in loops)
-    reported = []
-    if "recipe --offload_activations" in median:
-        from ft_accum.planner.memory_planner import implied_copy_gbps, trace_micro_batches
+    yield {
+        "check": f"throughput, GPT-2 124M, {micro} × {accumulation} × {block} tokens, bf16",
+        "measured": f"recipe / plain {vs_plain:.3f}×, recipe / Trainer {vs_trainer:.3f}× ({figures})",
+        "rates": rates,
+        "peaks_gib": peaks,
+        "bound": "≥ 0.98× plain, ≥ 1.0× Trainer",
+        "pass": dry_run or (vs_plain >= 0.98 and vs_trainer >= 1.0),
+    }
+    if dry_run:
+        return
+    # Reported, not judged: what --torch_compile buys, and what offloading costs against the
+    # alternative it competes with. One run each, after the judged rounds, which a run stopped at
+    # its time limit then has.
+    from ft_accum.planner.memory_planner import implied_copy_gbps, trace_micro_batches
 
-        offloaded, checkpointed = median["recipe --offload_activations"], median["recipe --gradient_checkpointing"]
-        # The planner's bytes for this run turn the measured slowdown into the bandwidth its copy model
-        # should assume (`ft-accum plan --pcie_gbps`).
-        host = trace_micro_batches(
-            config, [micro], task="causal_lm", seq_len=block, precision="bf16-mixed", offload_activations=True
-        )[micro][0].host_offloaded
-        gbps = implied_copy_gbps(host, micro, median["recipe"], offloaded)
-        reported.append(
-            {
-                "check": f"activation offloading's cost, GPT-2 124M, {micro} × {accumulation} × {block} tokens, bf16",
-                "measured": f"offloaded / recipe {offloaded / median['recipe']:.3f}× speed, peak "
-                f"{peaks['recipe --offload_activations']:.2f} against {peaks['recipe']:.2f} GiB; checkpointing "
-                f"{checkpointed / median['recipe']:.3f}×, peak {peaks['recipe --gradient_checkpointing']:.2f} GiB; "
-                f"the planner's {host / 2**30:.2f} GiB each way per micro-batch imply "
-                + (f"{gbps:.1f} GB/s of copies" if gbps else "no measurable copy time"),
-                "implied_copy_gbps": gbps,
-                "bound": "reported",
-                "pass": True,
-            }
-        )
-    return reported + [
-        {
-            "check": f"throughput, GPT-2 124M, {micro} × {accumulation} × {block} tokens, bf16",
-            "measured": f"recipe / plain {vs_plain:.3f}×, recipe / Trainer {vs_trainer:.3f}× ({figures})",
-            "rates": rates,
-            "peaks_gib": peaks,
-            "bound": "≥ 0.98× plain, ≥ 1.0× Trainer",
-            "pass": dry_run or (vs_plain >= 0.98 and vs_trainer >= 1.0),
-        }
-    ]
+    extras = {
+        "compiled": run_recipe_compiled,
+        "offloaded": run_recipe_offloaded,
+        "checkpointed": run_recipe_checkpointed,
+    }
+    speed = {}
+    for name, loop in extras.items():
+        rate, peaks[name] = loop(model_dir, rows, micro, accumulation, updates)
+        speed[name] = rate / median["recipe"]
+    # The planner's bytes for this run turn the measured slowdown into the bandwidth its copy model
+    # should assume (`ft-accum plan --pcie_gbps`).
+    host = trace_micro_batches(
+        config, [micro], task="causal_lm", seq_len=block, precision="bf16-mixed", offload_activations=True
+    )[micro][0].host_offloaded
+    gbps = implied_copy_gbps(host, micro, median["recipe"], speed["offloaded"] * median["recipe"])
+    yield {
+        "check": f"--torch_compile, --offload_activations, --gradient_checkpointing against the recipe, GPT-2 124M, "
+        f"{micro} × {accumulation} × {block} tokens, bf16",
+        "measured": ", ".join(f"{n} {speed[n]:.3f}× speed, peak {peaks[n]:.2f} GiB" for n in extras)
+        + f" (recipe peak {peaks['recipe']:.2f} GiB); the planner's {host / 2**30:.2f} GiB each way per "
+        "micro-batch imply " + (f"{gbps:.1f} GB/s of copies" if gbps else "no measurable copy time"),
+        "speed_vs_recipe": speed,
+        "peaks_gib": peaks,
+        "implied_copy_gbps": gbps,
+        "bound": "reported",
+        "pass": True,
+    }
 
 
-def run_check(number: int, models: Path, minilm: Path, dry_run: bool, cell_filter: str) -> list[dict]:
+def run_check(number: int, models: Path, minilm: Path, dry_run: bool, cell_filter: str) -> Iterator[dict]:
+    """Check `number`'s rows, each as soon as it is measured."""
     if number == 1:
         precisions = ["no"] if dry_run else ["no", "bf16", "fp16"]
         updates, seq_len = (2, 32) if dry_run else (6, 128)
@@ -568,7 +563,7 @@ def run_check(number: int, models: Path, minilm: Path, dry_run: bool, cell_filte
     if number == 4:
         return check_throughput(models, dry_run=dry_run)
     if number == 5:
-        return [] if dry_run else check_oom_replan(minilm)
+        return iter([]) if dry_run else iter(check_oom_replan(minilm))
     raise ValueError(f"no check {number}: the checks are 1 to 5")
 
 
@@ -599,25 +594,30 @@ def main():
     output.parent.mkdir(parents=True, exist_ok=True)
     pretrained = args.minilm_dir is None or (args.minilm_dir / "model.safetensors").exists()
     started, rows = time.perf_counter(), []
+
+    def write_results() -> None:  # after every row: a run stopped at its time limit keeps what it measured
+        summary = {
+            "dry_run": args.dry_run,
+            "checks": args.checks,
+            "minilm_weights": "pretrained" if pretrained else "random (no model.safetensors in --minilm_dir)",
+            "machine": machine_info(),
+            "seconds": time.perf_counter() - started,
+        }
+        output.write_text(json.dumps({**summary, "rows": rows}, indent=2, default=str))
+
     with tempfile.TemporaryDirectory() as tmp:
         models = Path(tmp)
         minilm = dropout_free_minilm(models / MINILM, args.minilm_dir, num_hidden_layers=1 if args.dry_run else None)
         for number in [int(c) for c in args.checks.split(",")]:
             try:
-                rows += run_check(number, models, minilm, args.dry_run, args.cells)
+                for row in run_check(number, models, minilm, args.dry_run, args.cells):
+                    rows.append(row)
+                    write_results()
             except Exception as error:  # a GPU loan is short: one broken check must not cost the others
                 traceback.print_exc()
                 rows.append({"check": f"check {number}", "measured": repr(error)[:2000], "bound": "no error"})
                 rows[-1]["pass"] = False
-            # Written after every check, so that a run stopped at its time limit keeps what it measured.
-            summary = {
-                "dry_run": args.dry_run,
-                "checks": args.checks,
-                "minilm_weights": "pretrained" if pretrained else "random (no model.safetensors in --minilm_dir)",
-                "machine": machine_info(),
-                "seconds": time.perf_counter() - started,
-            }
-            output.write_text(json.dumps({**summary, "rows": rows}, indent=2, default=str))
+                write_results()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run: says nothing about GPUs)"
     print(f"device: {device}, {time.perf_counter() - started:.0f} s\n")
     print("| check | measured | bound | result |\n|---|---|---|---|")
