@@ -199,8 +199,13 @@ def save_extras(task, accelerator, model, tokenizer, output_dir):
         return {}
     inputs = tokenizer(task.generate_prompt, return_tensors="pt").to(accelerator.device)
     model.eval()
+    # Not **inputs: a BERT-style tokenizer adds token_type_ids, which a causal LM's generate() refuses.
     generated = accelerator.unwrap_model(model).generate(
-        **inputs, max_new_tokens=task.max_new_tokens, do_sample=False, use_cache=True
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        max_new_tokens=task.max_new_tokens,
+        do_sample=False,
+        use_cache=True,
     )
     sample = tokenizer.decode(generated[0], skip_special_tokens=True)
     accelerator.print(f"sample: {sample}")

@@ -183,8 +183,13 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, 
         chunk = short[start : start + 8]
         prompts = [tokenizer.apply_chat_template(c[:-1], tokenize=False, add_generation_prompt=True) for c in chunk]
         inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(accelerator.device)
+        # Not **inputs: a BERT-style tokenizer adds token_type_ids, which a causal LM's generate() refuses.
         generated = accelerator.unwrap_model(model).generate(
-            **inputs, max_new_tokens=task.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            max_new_tokens=task.max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
         )
         answers = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         hits += sum(normalize(a) == normalize(c[-1]["content"]) for a, c in zip(answers, chunk))

@@ -149,11 +149,12 @@ def test_optimizer_candidates_benchmark_runs_quick(tmp_path):
 @pytest.mark.launch
 @BENCHMARKS
 def test_gpu_check_dry_run_exercises_every_check_it_can_on_cpu(tmp_path, capsys):
-    """The GPU check must not first break on the GPU machine: its dry run runs checks 1–4 on CPU."""
-    out = run_script("gpu_check.py", "--dry_run", "--output", str(tmp_path / "gpu_check.json"), capsys=capsys)
+    """The GPU check must not first break on the GPU machine: its dry run runs checks 1–4 and 6 on CPU."""
+    args = ("--dry_run", "--checks", "1,2,3,4,5,6", "--output", str(tmp_path / "gpu_check.json"))
+    out = run_script("gpu_check.py", *args, capsys=capsys)
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     checks = " ".join(r["check"] for r in rows)
-    for part in ("(8 × 1) = (2 × 4)", "planner / recipe peak", "12 GB table", "throughput"):
+    for part in ("(8 × 1) = (2 × 4)", "planner / recipe peak", "12 GB table", "throughput", "instruction tuning"):
         assert part in checks, part
     assert all(r["pass"] for r in rows) and "| check | measured |" in out
     # One cell per recipe, and the low-memory ones through the recipe with their flags: bf16 weights

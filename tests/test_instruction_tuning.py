@@ -17,6 +17,7 @@ from ft_accum.models.output_loss import OutputLoss
 from ft_accum.testing import (
     final_weights,
     make_conversations,
+    make_tiny_chat_lm,
     max_abs_difference,
     relative_error,
     reset_accelerate_state,
@@ -216,3 +217,20 @@ def test_packing_with_lora_runs_and_resumes(tmp_path, chat_lm_dir, chat_files, c
     results = json.loads((tmp_path / "out" / "all_results.json").read_text())
     assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1, 2, 3] and 0 <= results["eval_exact_match"] <= 1
     assert (tmp_path / "out" / "final" / "adapter_config.json").is_file()
+
+
+def test_a_bert_style_tokenizer_gets_through_generation(tmp_path, chat_files, lm_data_files):
+    """The bundled MiniLM's tokenizer returns token_type_ids too, which a causal LM's generate()
+    refuses: both recipes that generate (the exact-match score here, --generate_prompt in the causal
+    LM recipe) pass it only input_ids and the attention mask."""
+    from ft_accum.data.offline_assets import bundled_minilm_dir
+
+    model_dir = make_tiny_chat_lm(tmp_path / "model", tokenizer_dir=bundled_minilm_dir())
+    assert "token_type_ids" in AutoTokenizer.from_pretrained(model_dir)("a test")
+    settings = dict(max_train_steps=1, max_new_tokens=2)
+    run_in_process("instruction_tuning", [*recipe_args(model_dir, chat_files, tmp_path / "chat", **settings),
+                                          "--chat_template=chatml"])  # fmt: skip
+    assert 0 <= json.loads((tmp_path / "chat" / "all_results.json").read_text())["eval_exact_match"] <= 1
+    lm_args = recipe_args(model_dir, lm_data_files, tmp_path / "lm", generate_prompt="the match", **settings)
+    run_in_process("causal_lm", [*lm_args, "--block_size=32"])
+    assert json.loads((tmp_path / "lm" / "all_results.json").read_text())["sample"].startswith("the match")

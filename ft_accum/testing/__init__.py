@@ -364,13 +364,14 @@ def counting_causal_lms():
         yield seen
 
 
-def make_tiny_chat_lm(path: Path, width: int = 32) -> Path:
-    """A 2-layer, `width`-wide Llama with SmolLM2-135M-Instruct's real tokenizer and chat template (bundled, offline)."""
+def make_tiny_chat_lm(path: Path, width: int = 32, tokenizer_dir: Path | None = None) -> Path:
+    """A 2-layer, `width`-wide Llama with SmolLM2-135M-Instruct's real tokenizer and chat template (bundled,
+    offline), or the tokenizer in `tokenizer_dir`."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from ft_accum.data.offline_assets import bundled_smollm2_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_dir())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or bundled_smollm2_dir())
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0,
