@@ -165,7 +165,9 @@ def check_mixed_precision(
 def random_model_dir(config, task: str, path: Path) -> Path:
     """A model of `task` built from `config` with random weights (on the GPU when there is one, in
     bf16 for the larger ones), saved with the MiniLM tokenizer ([SEP] as end of text), which main()
-    saves first, beside `path`."""
+    saves first, beside `path`. For a `qwen2` model, transformers reads those files with its Qwen2
+    tokenizer class, which splits text into characters: harmless for the memory cells, which fill
+    fixed-length blocks."""
     import transformers
     from transformers import AutoTokenizer
 
