@@ -71,9 +71,13 @@ def first_layers_only(num_layers: int | None):
         return
     from transformers import PreTrainedModel
 
+    from ft_accum.data.offline_assets import CONVERTING_BUNDLED_MODEL
+
     init = PreTrainedModel.__init__
 
     def shrink(self, config, *args, **kwargs):
+        if CONVERTING_BUNDLED_MODEL.get():  # the cached SmolLM2 that every later run loads stays whole
+            return init(self, config, *args, **kwargs)
         # Model classes call this first, then build config.num_hidden_layers layers (T5: num_layers).
         for name in ("num_hidden_layers", "num_layers", "num_decoder_layers"):
             if isinstance(getattr(config, name, None), int) and getattr(config, name) > num_layers:

