@@ -1,8 +1,7 @@
 """python benchmarks/gpu_check.py [--dry_run] [--checks 1,2,3,4,5] [--output PATH]
 
-Everything only a GPU can check, in one run on one GPU (how long it takes there is not measured yet:
-no GPU has run it). It writes one results
-file ($OUT/gpu_check.json when $OUT is set, else benchmarks/results/gpu_check.json) and prints a
+Everything only a GPU can check, in one run on one GPU (how long it takes there is not measured
+yet: no GPU has run it). It writes one results file ($OUT/gpu_check.json when $OUT is set, else benchmarks/results/gpu_check.json) and prints a
 table. Models are built from the shipped configs (ft_accum/planner/model_configs) with random weights and
 the bundled MiniLM tokenizer; the data is the bundled BBC News; nothing is downloaded. It needs
 torch, transformers, accelerate, peft, and this project's [demo] data packages, datasets and evaluate.
@@ -39,8 +38,8 @@ The 12 GB table's low-memory cells (bf16 weights with 8-bit AdamW; QLoRA's 4-bit
 bitsandbytes, the [lowmem] extra: carry its wheel to a GPU machine that lacks it. Paged optimizers
 are never used: they live in managed memory, and asking for more than the card has free can hang
 it. If the whole run would not fit in a loan's call, split it: `--checks 2,4,1,5`, then `--checks 3`. The
-checks run in the order given; the results file is rewritten after each, and a check that raises
-is a failed row, not the end of the run.
+checks run in the order given; the results file is rewritten after every row, and a check that
+raises is a failed row, not the end of the run.
 
 On the device tool's GPU machine: `python benchmarks/gpu_prepare.py` here first, then
 `bash benchmarks/gpu_run.sh 2,4,3,1,5,6 540` there with `.gpu` carried (benchmarks/README.md, GPU).
@@ -48,8 +47,8 @@ There --minilm_dir gives MiniLM's config and tokenizer without its weights, so c
 seeded random weights.
 
 --dry_run runs checks 1 (fp32, its two runs in this process rather than launched), 2, 3 (on tiny
-stand-in cells) and 4 (one round, no extras) on this machine's CPU with tiny settings, to test the
-script without a GPU; its figures say nothing about GPUs.
+stand-in cells), 4 (one round, no extras) and 6 when named, on this machine's CPU with tiny settings,
+to test the script without a GPU; its figures say nothing about GPUs.
 """
 
 import argparse
@@ -61,7 +60,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -419,10 +418,14 @@ def packed_rows(model_dir: Path, block: int, count: int) -> list[dict]:
     ]
 
 
-def timed_rates(clock, sequences: int) -> float:
-    """Sequences per second: the median over updates, the first 2 (warm-up) left out."""
-    rates = clock.rates(sequences)
+def steady_median(rates: list[float]) -> float:
+    """The median over updates, the first 2 (warm-up) left out when there are more than 3."""
     return statistics.median(rates[2:] if len(rates) > 3 else rates)
+
+
+def timed_rates(clock, sequences: int) -> float:
+    """Sequences per second over the updates after warm-up."""
+    return steady_median(clock.rates(sequences))
 
 
 def cuda_peak_gib() -> float:
@@ -473,8 +476,7 @@ def run_trainer(model_dir, rows, micro, accumulation, updates) -> tuple[float, f
 def run_recipe(model_dir, rows, micro, accumulation, updates, *flags: str) -> tuple[float, float]:
     args = lm_args(model_dir, len(rows[0]["input_ids"]), micro, accumulation, updates, False)
     _, peak, records = recipe_run("causal_lm", [*args, *flags], "bf16")
-    rates = [r["samples_per_second"] for r in records]
-    return statistics.median(rates[2:] if len(rates) > 3 else rates), peak
+    return steady_median([r["samples_per_second"] for r in records]), peak
 
 
 def run_recipe_compiled(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
@@ -528,16 +530,15 @@ def check_throughput(models: Path, dry_run: bool) -> Iterator[dict]:
         "offloaded": run_recipe_offloaded,
         "checkpointed": run_recipe_checkpointed,
     }
-    speed = {}
     for name, loop in extras.items():
-        rate, peaks[name] = loop(model_dir, rows, micro, accumulation, updates)
-        speed[name] = rate / median["recipe"]
+        median[name], peaks[name] = loop(model_dir, rows, micro, accumulation, updates)
+    speed = {name: median[name] / median["recipe"] for name in extras}
     # The planner's bytes for this run turn the measured slowdown into the bandwidth its copy model
     # should assume (`ft-accum plan --pcie_gbps`).
     host = trace_micro_batches(
         config, [micro], task="causal_lm", seq_len=block, precision="bf16-mixed", offload_activations=True
     )[micro][0].host_offloaded
-    gbps = implied_copy_gbps(host, micro, median["recipe"], speed["offloaded"] * median["recipe"])
+    gbps = implied_copy_gbps(host, micro, median["recipe"], median["offloaded"])
     yield {
         "check": f"--torch_compile, --offload_activations, --gradient_checkpointing against the recipe, GPT-2 124M, "
         f"{micro} × {accumulation} × {block} tokens, bf16",
@@ -591,8 +592,7 @@ def check_instruction_tuning(models: Path, dry_run: bool) -> Iterator[dict]:
     first = None
     for name, flags in variants.items():  # a row each, so that a run stopped at its limit keeps the first
         _, peak, records = recipe_run("instruction_tuning", [*common, *flags], "bf16")
-        rates = [r["tokens_per_second"] for r in records]
-        rate = statistics.median(rates[2:] if len(rates) > 3 else rates)
+        rate = steady_median([r["tokens_per_second"] for r in records])
         first = first or (name, rate)
         yield {
             "check": f"instruction tuning, {name}, Llama of Qwen2.5-0.5B sizes, {micro} × {accumulation} × "
@@ -605,7 +605,7 @@ def check_instruction_tuning(models: Path, dry_run: bool) -> Iterator[dict]:
         }
 
 
-def run_check(number: int, models: Path, minilm: Path, dry_run: bool, cell_filter: str) -> Iterator[dict]:
+def run_check(number: int, models: Path, minilm: Path, dry_run: bool, cell_filter: str) -> Iterable[dict]:
     """Check `number`'s rows, each as soon as it is measured."""
     if number == 1:
         precisions = ["no"] if dry_run else ["no", "bf16", "fp16"]
@@ -622,7 +622,7 @@ def run_check(number: int, models: Path, minilm: Path, dry_run: bool, cell_filte
     if number == 4:
         return check_throughput(models, dry_run=dry_run)
     if number == 5:
-        return iter([]) if dry_run else iter(check_oom_replan(minilm))
+        return [] if dry_run else check_oom_replan(minilm)
     if number == 6:
         return check_instruction_tuning(models, dry_run=dry_run)
     raise ValueError(f"no check {number}: the checks are 1 to 6")
@@ -655,16 +655,16 @@ def main():
     output.parent.mkdir(parents=True, exist_ok=True)
     pretrained = args.minilm_dir is None or (args.minilm_dir / "model.safetensors").exists()
     started, rows = time.perf_counter(), []
+    summary = {
+        "dry_run": args.dry_run,
+        "checks": args.checks,
+        "minilm_weights": "pretrained" if pretrained else "random (no model.safetensors in --minilm_dir)",
+        "machine": machine_info(),
+    }
 
     def write_results() -> None:  # after every row: a run stopped at its time limit keeps what it measured
-        summary = {
-            "dry_run": args.dry_run,
-            "checks": args.checks,
-            "minilm_weights": "pretrained" if pretrained else "random (no model.safetensors in --minilm_dir)",
-            "machine": machine_info(),
-            "seconds": time.perf_counter() - started,
-        }
-        output.write_text(json.dumps({**summary, "rows": rows}, indent=2, default=str))
+        seconds = time.perf_counter() - started
+        output.write_text(json.dumps({**summary, "seconds": seconds, "rows": rows}, indent=2, default=str))
 
     with tempfile.TemporaryDirectory() as tmp:
         models = Path(tmp)
@@ -678,8 +678,13 @@ def main():
             # refuses bad settings with one `error:` line and exit code 2.
             except (Exception, SystemExit) as error:
                 traceback.print_exc()
-                rows.append({"check": f"check {number}", "measured": repr(error)[:2000], "bound": "no error"})
-                rows[-1]["pass"] = False
+                failed = {
+                    "check": f"check {number}",
+                    "measured": repr(error)[:2000],
+                    "bound": "no error",
+                    "pass": False,
+                }
+                rows.append(failed)
                 write_results()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run: says nothing about GPUs)"
     print(f"device: {device}, {time.perf_counter() - started:.0f} s\n")

@@ -5,7 +5,7 @@
 # from the repository root: installs the carried wheels beside the machine's own torch, transformers,
 # accelerate and peft, prints what it runs on, then runs benchmarks/gpu_check.py on CHECKS (default
 # 2,4,3,1,5,6: the planner and throughput first) for at most SECONDS (default 540). The results file,
-# rewritten after every check, and the log go to $OUT (else benchmarks/results/).
+# rewritten after every row, and the log go to $OUT (else benchmarks/results/).
 set -uo pipefail
 checks=${1:-2,4,3,1,5,6}
 seconds=${2:-540}

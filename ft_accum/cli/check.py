@@ -65,7 +65,8 @@ def modules_in_eval_mode():
 def first_layers_only(num_layers: int | None):
     """Every transformers model built in this block keeps only its first `num_layers` layers (of
     each stack: an encoder-decoder's encoder and decoder). The checked arithmetic is the loop's,
-    which one layer exercises as well as thirty; the weights load for the layers kept."""
+    which one layer exercises as well as thirty; the weights load for the layers kept. The one
+    exception is the bundled SmolLM2's conversion, whose cached copy every later run loads."""
     if not num_layers:
         yield
         return
