@@ -45,7 +45,7 @@ from ft_accum.core.noise_scale import NoiseScaleMeter
 from ft_accum.data import data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.training import run_outputs, run_setup, training_state
+from ft_accum.training import every_rank, run_outputs, run_setup, training_state
 from ft_accum.training.arguments import LoraArguments, run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
@@ -195,12 +195,15 @@ def save_extras(task, accelerator, model, tokenizer, output_dir):
         run_outputs.save_merged_lora(
             accelerator, model, tokenizer, output_dir, base_name=base_model_name(task), base_in_4bit=task.load_in_4bit
         )
-    if not (task.generate_prompt and accelerator.is_main_process):
+    if not task.generate_prompt:
         return {}
     inputs = tokenizer(task.generate_prompt, return_tensors="pt").to(accelerator.device)
     model.eval()
+    # On every rank, not the main one only: under FSDP each forward all-gathers the weights from all of them.
     # Not **inputs: a BERT-style tokenizer adds token_type_ids, which a causal LM's generate() refuses.
-    generated = accelerator.unwrap_model(model).generate(
+    generated = every_rank.generate(
+        accelerator,
+        model,
         input_ids=inputs["input_ids"],
         attention_mask=inputs["attention_mask"],
         max_new_tokens=task.max_new_tokens,
@@ -225,6 +228,7 @@ def train(task, args):
         tokenizer, model, task.model_name_or_path or "the bundled model", raw["train"][:64][task.text_column]
     )
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(task, args, accelerator, raw, tokenizer)
+    run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
     optimizer = run_setup.build_optimizer(
         model,
         args=args,

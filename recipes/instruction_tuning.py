@@ -49,7 +49,7 @@ from ft_accum.core.noise_scale import NoiseScaleMeter
 from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.training import run_outputs, run_setup, training_state
+from ft_accum.training import every_rank, run_outputs, run_setup, training_state
 from ft_accum.training.arguments import LoraArguments, run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
@@ -177,24 +177,28 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, 
     model.eval()
     loss = output_loss.mean_loss(model, eval_dataloader, accelerator, model_inputs)
     short = [c for c in conversations if len(c[-1]["content"].split()) <= task.exact_match_max_words]
-    short = short[accelerator.process_index :: accelerator.num_processes]
-    tokenizer.padding_side, hits = "left", 0  # generation continues from the right end of each prompt
-    for start in range(0, len(short), 8):
-        chunk = short[start : start + 8]
+    tokenizer.padding_side, hits, count = "left", 0, 0  # generation continues from the right end of each prompt
+    # The same number of generate() calls on every rank: under FSDP each step all-gathers the weights.
+    for chunk, real in every_rank.rank_batches(short, accelerator.process_index, accelerator.num_processes, 8):
         prompts = [tokenizer.apply_chat_template(c[:-1], tokenize=False, add_generation_prompt=True) for c in chunk]
         inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(accelerator.device)
         # Not **inputs: a BERT-style tokenizer adds token_type_ids, which a causal LM's generate() refuses.
-        generated = accelerator.unwrap_model(model).generate(
+        generated = every_rank.generate(
+            accelerator,
+            model,
             input_ids=inputs["input_ids"],
             attention_mask=inputs["attention_mask"],
             max_new_tokens=task.max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
         )
-        answers = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-        hits += sum(normalize(a) == normalize(c[-1]["content"]) for a, c in zip(answers, chunk))
+        answers = tokenizer.batch_decode(generated[:real, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        hits, count = (
+            hits + sum(normalize(a) == normalize(c[-1]["content"]) for a, c in zip(answers, chunk)),
+            count + real,
+        )
     tokenizer.padding_side = "right"
-    hits, count = accelerator.reduce(torch.tensor([hits, len(short)], device=accelerator.device), "sum").tolist()
+    hits, count = accelerator.reduce(torch.tensor([hits, count], device=accelerator.device), "sum").tolist()
     model.train()
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50)), "eval_exact_match": hits / max(count, 1)}
 
@@ -233,6 +237,7 @@ def train(task, args):
     with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
         model, tokenizer = build_model(task, args, accelerator)
     train_dataloader, eval_dataloader, tokenized = build_dataloaders(task, args, accelerator, conversations, tokenizer)
+    run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
     optimizer = run_setup.build_optimizer(
         model,
         args=args,

@@ -249,6 +249,7 @@ def train(task, args):
         args.per_device_eval_batch_size,
         args.seed,
     )
+    run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
     optimizer = run_setup.build_optimizer(
         model,
         args=args,

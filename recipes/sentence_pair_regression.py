@@ -157,6 +157,7 @@ def train(task, args):
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(
         task, args, accelerator, raw, tokenizer, label_names
     )
+    run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
     optimizer = run_setup.build_optimizer(
         model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
     )

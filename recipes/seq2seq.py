@@ -38,7 +38,7 @@ from ft_accum.data import data_sources, offline_assets
 from ft_accum.data.metrics import load_metric
 from ft_accum.models import loading, low_memory
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.training import run_outputs, run_setup, training_state
+from ft_accum.training import every_rank, run_outputs, run_setup, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 from ft_accum.training.memory import OutOfMemoryRetry
@@ -152,7 +152,9 @@ def evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge, 
         labels = batch.pop("labels")
         row_losses, _ = output_loss.per_row(model, labels, **batch)
         with torch.no_grad():
-            generated = accelerator.unwrap_model(model).generate(
+            generated = every_rank.generate(
+                accelerator,
+                model,
                 input_ids=batch["input_ids"],
                 attention_mask=batch["attention_mask"],
                 num_beams=task.num_beams,
@@ -197,6 +199,7 @@ def train(task, args):
         tokenizer, model, task.model_name_or_path or "the bundled model", raw["train"][:64][task.source_column]
     )
     train_dataloader, eval_dataloader, mean_tokens = build_dataloaders(task, args, accelerator, raw, tokenizer, model)
+    run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
     optimizer = run_setup.build_optimizer(
         model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
     )

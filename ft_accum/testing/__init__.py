@@ -244,12 +244,14 @@ def launch(
     return result
 
 
-def runs_script(runs: list[tuple[str, list[str]]], work_dir: Path) -> list[str]:
+def runs_script(runs: list[tuple[str, list[str]]], work_dir: Path, exits: Path | None = None) -> list[str]:
     """What a launch runs in place of a recipe to run each (recipe name, arguments) of `runs`, one
-    after another in the same processes (ft_accum/testing/recipe_runs.py)."""
+    after another in the same processes (ft_accum/testing/recipe_runs.py). With `exits`, a run that
+    ends in an error does not end the launch: each run's exit is written there. Each run starts from
+    --config=none; arguments that give `--config recipes/configs/<name>.yaml` run the shipped config."""
     runs_file = Path(work_dir) / "runs.json"
     runs_file.write_text(json.dumps([[name, ["--config=none", *args]] for name, args in runs]))
-    return [str(Path(__file__).with_name("recipe_runs.py")), str(runs_file)]
+    return [str(Path(__file__).with_name("recipe_runs.py")), str(runs_file), *([str(exits)] if exits else [])]
 
 
 def launch_runs(

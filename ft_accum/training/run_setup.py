@@ -8,8 +8,9 @@ import dataclasses
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin
+from accelerate.utils import DistributedType, GradientAccumulationPlugin
 
+from ft_accum.core.errors import ConfigError
 from ft_accum.core.lr_scaling import describe_lr_scaling
 from ft_accum.models.loading import describe_dtypes
 from ft_accum.models.low_memory import adamw_8bit, adamw_8bit_stochastic_rounding
@@ -262,3 +263,91 @@ def apply_lora(model, task_args, args):
         gradient_checkpointing=args.gradient_checkpointing,
         model_dtype=args.model_dtype,
     )
+
+
+def fit_fsdp_units(accelerator, model) -> None:
+    """Under FSDP, settle which modules Accelerate 1.15 shards as one unit, so that the model
+    prepares; elsewhere, nothing. Call it after building the model, before the optimizer sees it.
+
+    Accelerate (`fsdp2_prepare_model`) shards each `_no_split_modules` class, then the input
+    embedding alone (with the output layer when the two are tied), then the rest as the root. Two
+    kinds of model die in it with a traceback from deep inside torch:
+    - BERT lists `BertEmbeddings`, the input embedding's parent: the embedding's weight is sharded
+      once with it and again alone, and the second time is taken for a tensor-parallel DTensor
+      (`DeviceMesh._concatenate`: "value was None"). The classes that hold the embedding are
+      left out of the list; the embedding still gets its unit.
+    - A weight shared by other modules than the input and output embeddings (T5's `shared` with
+      both stacks' `embed_tokens`; a warm-started encoder-decoder's decoder embedding and output
+      layer) would sit in two units ("shared with a parameter already managed by another FSDP
+      group"). Those modules are sharded here as one unit, which Accelerate then skips, as torch
+      asks: `fully_shard([module_a, module_b])`. Where one of them holds another (BERT's LM head,
+      whose bias is its output layer's), Accelerate would shard the inner one again: refused. Accelerate's loading of the weights from rank 0
+      (`fsdp_cpu_ram_efficient_loading`) does not expect a unit made before its own, so it is off
+      for such a model: every rank loaded the whole model already.
+
+    A model without input embeddings (a ResNet) makes Accelerate raise NotImplementedError: it is
+    refused, in one line that names DDP instead.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    if accelerator.distributed_type != DistributedType.FSDP or isinstance(model, FSDPModule):
+        return
+    try:
+        embedding = model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        embedding = None
+    if embedding is None:
+        refuse_under_fsdp(
+            accelerator, f"{type(model).__name__}, which has no input embeddings (not a transformer) to shard by"
+        )
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    groups = [g for g in shared_weight_modules(model) if {id(m) for m in g} != {id(embedding), id(output)}]
+    plugin = accelerator.state.fsdp_plugin
+    policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    if policy is transformer_auto_wrap_policy and not plugin.transformer_cls_names_to_wrap:
+        inner = [embedding, *(m for g in groups for m in g)]
+        holders = {type(m).__name__ for m in model.modules() if any(c is i for c in m.modules() for i in inner)}
+        plugin.transformer_cls_names_to_wrap = sorted(set(getattr(model, "_no_split_modules", None) or ()) - holders)
+    for group in groups:
+        nested = [(a, b) for a in group for b in group if a is not b and any(c is b for c in a.modules())]
+        if nested:  # Accelerate would shard the inner module again as its output layer
+            names = {id(m): n for n, m in model.named_modules()}
+            refuse_under_fsdp(
+                accelerator,
+                f"{type(model).__name__}: {names[id(nested[0][1])]} shares weights with modules around and beside it "
+                f"({', '.join(names[id(m)] for m in group if m is not nested[0][1])}), which Accelerate's FSDP cannot "
+                "place in one unit (a T5 or BART model has no such tie)",
+            )
+        # Unsharded from the first use (the embedding) to the last (the output layer), as Accelerate keeps its tail.
+        fully_shard(group, reshard_after_forward=False, offload_policy=plugin.cpu_offload,
+                    mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())  # fmt: skip
+        plugin.cpu_ram_efficient_loading = False
+
+
+def shared_weight_modules(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """The groups of distinct modules that hold the same parameter objects (tied weights), in module
+    order; ties that share a module are one group (a decoder embedding tied to an output layer whose
+    bias is tied to its head's)."""
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(module)
+    groups: list[set[int]] = []
+    for modules in holders.values():
+        if len(modules) > 1:
+            group = {id(m) for m in modules}
+            for other in [g for g in groups if g & group]:
+                groups.remove(other)
+                group |= other
+            groups.append(group)
+    return [[m for m in model.modules() if id(m) in group] for group in groups]
+
+
+def refuse_under_fsdp(accelerator, what: str) -> None:
+    """Under FSDP, the one-line refusal of a model it cannot serve, naming the config to use instead."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        raise ConfigError(
+            f"FSDP cannot serve {what}; launch with accelerate_configs/multi_gpu_ddp.yaml (DDP: each GPU holds the "
+            "whole model) or accelerate_configs/single_gpu_bf16.yaml"
+        )
