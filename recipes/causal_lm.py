@@ -262,7 +262,8 @@ def train(task, args):
     tracker = training_state.RunTracker(
         accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
-    initial_eval = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
+    with tracker.paused():  # outside the training time, like every evaluation
+        initial_eval = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
     accelerator.print(f"before training: eval_perplexity {initial_eval['eval_perplexity']:.2f}")
     nominal_tokens = plan.micro * task.block_size  # any constant works; this one keeps losses O(1)
     eval_metrics = initial_eval

@@ -269,7 +269,8 @@ def train(task, args):
         accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
     eval_conversations = conversations["validation"]
-    initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations)
+    with tracker.paused():  # outside the training time, like every evaluation
+        initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations)
     before = f"eval_loss {initial_eval['eval_loss']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
     accelerator.print(f"before training: {before}")
     nominal_tokens = plan.micro * task.max_seq_length  # any constant works; this one keeps losses O(1)

@@ -283,8 +283,9 @@ def train(task, args):
         references = reference_log_probs.precompute(args.output_dir, accelerator, state.step > 0, model,
                                                     {s: t.rows for s, t in tokenized.items()}, collate,
                                                     args.per_device_eval_batch_size, output_loss)  # fmt: skip
-    initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, references["validation"],
-                            reference_loss)  # fmt: skip
+    with tracker.paused():  # outside the training time, like every evaluation
+        initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, references["validation"],
+                                reference_loss)  # fmt: skip
     accelerator.print(
         f"before training: reward accuracy {initial_eval['eval_reward_accuracy']:.3f}, "
         f"margin {initial_eval['eval_reward_margin']:.4f}"

@@ -229,7 +229,8 @@ def train(task, args):
         accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
     rouge = load_metric("rouge")
-    initial_eval = evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss)
+    with tracker.paused():  # outside the training time, like every evaluation
+        initial_eval = evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss)
     accelerator.print(
         f"before training: eval_rougeL {initial_eval['eval_rougeL']:.4f}, eval_loss {initial_eval['eval_loss']:.4f}"
     )

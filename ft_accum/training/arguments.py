@@ -119,6 +119,13 @@ class TrainingArguments:
             "Less memory under FSDP (accelerate#2531), more communication; the update is the same."
         },
     )
+    ddp_timeout: int = field(
+        default=1800,
+        metadata={
+            "help": "Several processes: seconds a process waits in a collective operation (a checkpoint write on "
+            "another, a process that stopped joining) before the run stops with an error. transformers' default."
+        },
+    )
     auto_micro_batch: bool = field(
         default=False,
         metadata={
@@ -163,6 +170,7 @@ class TrainingArguments:
             "save_total_limit",
             "max_train_samples",
             "max_eval_samples",
+            "ddp_timeout",
         )
         if self.learning_rate <= 0:
             raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
@@ -327,11 +335,12 @@ def _one_line_error(message: str):
 def run_main(train, task_class: type, argv: list[str] | None, description: str | None, **recipe_defaults):
     """A recipe's `main`: parse and train, with input errors as one `error:` line (errors.one_line_errors).
     The output folder's lock (run_outputs.lock_output_dir) is released however it ends."""
+    from ft_accum.training.collective_timeout import collective_failures
     from ft_accum.training.run_outputs import release_output_locks
 
     recipe = Path(train.__code__.co_filename)
     try:
-        with one_line_errors():
+        with one_line_errors(), collective_failures():
             default_config = recipe.parent / "configs" / f"{recipe.stem}.yaml"
             return train(*parse_args(task_class, argv, description, default_config, **recipe_defaults))
     finally:

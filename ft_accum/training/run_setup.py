@@ -14,6 +14,7 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.core.lr_scaling import describe_lr_scaling
 from ft_accum.models.loading import describe_dtypes
 from ft_accum.models.low_memory import adamw_8bit, adamw_8bit_stochastic_rounding
+from ft_accum.training import collective_timeout
 from ft_accum.training.banner import format_banner
 from ft_accum.training.run_outputs import check_accelerator, describe_engine, prepare_output_dir, resolve_report_to
 
@@ -33,7 +34,9 @@ def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str 
         # A seeded sampler makes the sample order depend on the seed and epoch only, not on the split.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1, sync_each_batch=args.sync_each_batch),
+        kwargs_handlers=[collective_timeout.process_group_kwargs(args.ddp_timeout)],
     )
+    collective_timeout.start_run(args.ddp_timeout, accelerator.process_index, accelerator.num_processes)
     check_accelerator(accelerator, loss_weighted_by=loss_weighted_by)
     prepare_output_dir(
         args.output_dir,

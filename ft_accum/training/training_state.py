@@ -20,7 +20,7 @@ from accelerate.utils import find_batch_size
 from ft_accum.core.batch_arithmetic import BatchPlan
 from ft_accum.core.errors import register_progress_bar
 from ft_accum.core.loss_normalization import WindowTotals, check_skipped_updates
-from ft_accum.training import checkpointing
+from ft_accum.training import checkpointing, collective_timeout
 from ft_accum.training.run_outputs import log_update, save_final, truncate_metrics, write_results
 
 
@@ -297,6 +297,9 @@ class RunTracker:
         self.stop = stop
         self.num_update_steps = num_update_steps
         self.clock = TrainClock(state.train_seconds)
+        position = collective_timeout.POSITION  # what a stuck collective's error line reports
+        position.phase, position.updates_done = "train", state.step
+        position.last_checkpoint, position.resume_command = state.last_checkpoint, stop.command if stop else None
         if stop is not None and accelerator.is_main_process:
             # Written at the start, so a run killed without warning (SIGKILL, power) has it too.
             (Path(settings.output_dir) / RESUME_COMMAND_FILE).write_text(stop.command + "\n")
@@ -322,13 +325,14 @@ class RunTracker:
         state, settings = self.state, self.settings
         skipped = self.accelerator.optimizer_step_was_skipped
         state.complete_update(totals, plan, skipped, scheduler_steps, settings.max_consecutive_skipped_updates)
+        collective_timeout.POSITION.updates_done = state.step
         record = state.record(
             totals, plan, float(lr_scheduler.get_last_lr()[0]), self.clock.lap(), batches_per_epoch, **columns
         )
         log_update(self.accelerator, settings.output_dir, record, self.progress, scheduler_steps)
         stopping = self.stop is not None and self.stop.requested(self.accelerator)
         if stopping or (settings.checkpointing_steps and state.step % settings.checkpointing_steps == 0):
-            with self.clock.paused():
+            with self.clock.paused(), collective_timeout.phase("save"):
                 path = save_checkpoint(
                     self.accelerator,
                     settings.output_dir,
@@ -337,13 +341,16 @@ class RunTracker:
                     settings.save_total_limit,
                     self.clock.total(),
                 )
+            collective_timeout.POSITION.last_checkpoint = str(path)
             if stopping:
                 self.stop.exit(self.accelerator, path)
         return state.scheduler_steps >= self.num_update_steps
 
+    @contextlib.contextmanager
     def paused(self):
-        """Leave evaluation out of the training time and the throughput."""
-        return self.clock.paused()
+        """Evaluation: left out of the training time and the throughput."""
+        with self.clock.paused(), collective_timeout.phase("eval"):
+            yield
 
     def finish(self, model, tokenizer, plan: BatchPlan, after_save=None, **metrics: Any) -> dict[str, Any]:
         """Save final/ (and whatever `after_save()` saves, returning extra results), write all_results.json."""
@@ -351,9 +358,12 @@ class RunTracker:
         if self.stop is not None:
             self.stop.restore()
         train_seconds = self.clock.total()
-        save_final(self.accelerator, model, tokenizer, self.settings.output_dir)
-        extras = after_save() if after_save else {}
+        with collective_timeout.phase("save"):
+            save_final(self.accelerator, model, tokenizer, self.settings.output_dir)
+        with collective_timeout.phase("sample"):  # --generate_prompt, --merge_lora: model calls on every rank
+            extras = after_save() if after_save else {}
         learning_rate = self.settings.scaled_learning_rate(self.state.effective_batch_size)
+        collective_timeout.POSITION.phase = "save"
         results = write_results(
             self.accelerator,
             self.state,

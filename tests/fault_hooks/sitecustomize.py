@@ -14,6 +14,14 @@
 - FT_ACCUM_SLOW_PUBLISH_SECONDS=2: every checkpoint takes that much longer to write, as a real
   model's does (seconds, not a tiny model's milliseconds), so that a launcher that returns before
   the recipe has finished its checkpoint is seen to do so every time.
+- FT_ACCUM_TEST_NUM_LAYERS=1: every transformers model the process builds keeps only its first
+  layer of each stack (`ft-accum check --num_layers`' `first_layers_only`): a recipe's shipped
+  default model, loaded from its real checkpoint, made tiny (tests/test_engines.py).
+- FT_ACCUM_TEST_SKIP_COLLECTIVE=eval:2: process 1 skips the first collective operation it is asked
+  for in that phase after that many updates (ft_accum.training.collective_timeout.POSITION), as a
+  recipe that makes a model call on one process only does, and stays away from collectives for
+  the process group's timeout and 5 s more (a gloo process that goes on at once into a mismatched
+  collective is aborted by gloo itself, which is not what this tests): the others wait in it.
 - FT_ACCUM_TEST_OOM_ABOVE_ROWS=4: in the text-classification recipe's process (not its launcher),
   a BERT classifier's training forward of more than 4 rows raises CUDA's out-of-memory error, as a
   GPU too small for it would (tests/test_sweep.py).
@@ -69,6 +77,44 @@ if os.environ.get("FT_ACCUM_TEST_FSDP_ON_CPU") == "1":
             self.fsdp_plugin = plugin
 
     _state.AcceleratorState.__init__ = _init_with_fsdp_on_cpu
+
+if os.environ.get("FT_ACCUM_TEST_NUM_LAYERS"):
+    from ft_accum.cli.check import first_layers_only as _first_layers_only
+
+    _first_layers_only(int(os.environ["FT_ACCUM_TEST_NUM_LAYERS"])).__enter__()  # for the whole process
+
+if os.environ.get("FT_ACCUM_TEST_SKIP_COLLECTIVE") and os.environ.get("RANK") == "1":
+    import torch.distributed as _dist
+
+    _phase, _after = os.environ["FT_ACCUM_TEST_SKIP_COLLECTIVE"].split(":")
+    _skipped = []
+
+    def _skipping(collective):
+        def maybe_skip(*args, **kwargs):
+            from ft_accum.training.collective_timeout import POSITION
+
+            if not _skipped and POSITION.phase == _phase and POSITION.updates_done == int(_after):
+                _skipped.append(collective.__name__)
+                print(
+                    f"test hook: process 1 skips {collective.__name__} ({_phase}:{_after})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                time.sleep(POSITION.timeout_seconds + 5)
+                return None
+            return collective(*args, **kwargs)
+
+        return maybe_skip
+
+    for _name in (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "broadcast",
+        "barrier",
+        "reduce_scatter_tensor",
+    ):
+        setattr(_dist, _name, _skipping(getattr(_dist, _name)))
 
 # FT_ACCUM_SLOW_UPDATE_SECONDS=0.2: every SGD step sleeps that long first, so a short run lasts long
 # enough for a signal to land mid-run; the updates themselves are unchanged.
