@@ -17,6 +17,10 @@
 - FT_ACCUM_TEST_NUM_LAYERS=1: every transformers model the process builds keeps only its first
   layer of each stack (`ft-accum check --num_layers`' `first_layers_only`): a recipe's shipped
   default model, loaded from its real checkpoint, made tiny (tests/test_engines.py).
+- FT_ACCUM_TEST_SMOLLM2_DIR=/tmp/tiny-chat-lm: the recipes' default SmolLM2-135M-Instruct is that
+  model instead (a tiny Llama with SmolLM2's real tokenizer and chat template: ft_accum.testing.
+  make_tiny_chat_lm). The 135M model, even cut to one layer, keeps its 28M-parameter embedding,
+  which a sample's every token all-gathers under FSDP (tests/test_engines.py).
 - FT_ACCUM_TEST_SKIP_COLLECTIVE=eval:2: process 1 skips the first collective operation it is asked
   for in that phase after that many updates (ft_accum.training.collective_timeout.POSITION), as a
   recipe that makes a model call on one process only does, and stays away from collectives for
@@ -54,34 +58,24 @@ if _FOLDER or _SLOW:
 
     os.replace = _hooked_replace
 
-# FT_ACCUM_TEST_FSDP_ON_CPU=1: Accelerate 1.15 switches its FSDP plugin on only for GPU process
-# groups (AcceleratorState: `distributed_type in [MULTI_GPU, ...]`, MULTI_CPU not among them), so an
-# FSDP config under ACCELERATE_USE_CPU would run DDP. For the tests only, this turns the FSDP plugin
-# on over gloo on CPU, as Accelerate would on GPUs: the recipes then run torch's real FSDP2
-# (fully_shard, sharded state dicts) on 2 CPU processes. The product refuses that combination
+# FT_ACCUM_TEST_FSDP_ON_CPU=1: Accelerate's FSDP plugin switched on for CPU process groups
+# (ft_accum/training/fsdp_on_cpu.py, which `ft-accum check` uses too): the recipes then run torch's
+# real FSDP2 on 2 CPU processes over gloo. The product refuses that combination
 # (run_outputs.check_accelerator); this hook lets the tests check the recipes under the engine.
 if os.environ.get("FT_ACCUM_TEST_FSDP_ON_CPU") == "1":
-    import accelerate.state as _state
-    from accelerate.utils import DistributedType as _DistributedType
+    from ft_accum.training.fsdp_on_cpu import switch_on as _switch_fsdp_on
 
-    _init = _state.AcceleratorState.__init__
-
-    def _init_with_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
-        _init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        # A later AcceleratorState() copies PartialState's MULTI_CPU back over it: set it each time.
-        plugin = fsdp_plugin or getattr(self, "fsdp_plugin", None)
-        if plugin is not None and self.distributed_type == _DistributedType.MULTI_CPU:
-            self.distributed_type = _DistributedType.FSDP
-            if fsdp_plugin is not None and self._mixed_precision != "no":
-                plugin.set_mixed_precision(self._mixed_precision)
-            self.fsdp_plugin = plugin
-
-    _state.AcceleratorState.__init__ = _init_with_fsdp_on_cpu
+    _switch_fsdp_on()
 
 if os.environ.get("FT_ACCUM_TEST_NUM_LAYERS"):
     from ft_accum.cli.check import first_layers_only as _first_layers_only
 
     _first_layers_only(int(os.environ["FT_ACCUM_TEST_NUM_LAYERS"])).__enter__()  # for the whole process
+
+if os.environ.get("FT_ACCUM_TEST_SMOLLM2_DIR"):
+    import ft_accum.data.offline_assets as _assets
+
+    _assets.bundled_smollm2_dir = lambda cache_dir=None: Path(os.environ["FT_ACCUM_TEST_SMOLLM2_DIR"])
 
 if os.environ.get("FT_ACCUM_TEST_SKIP_COLLECTIVE") and os.environ.get("RANK") == "1":
     import torch.distributed as _dist
