@@ -110,7 +110,7 @@ def test_a_rank_that_skips_a_collective_stops_the_launch_in_one_line_and_the_run
     6 updates an epoch, checkpoints every 2). Process 0 waits in it for --ddp_timeout, then the
     launch stops with the one-line reason; nothing is left running; the printed resume completes."""
     root, model, data = stuck_rank_setup
-    out, timeout = root / "out", 15
+    out, timeout = root / "out", 10
     args = tiny_args(model, data, out, per_device_train_batch_size=2, effective_batch_size=8, num_train_epochs=2,
                      checkpointing_steps=2, ddp_timeout=timeout)  # fmt: skip
     cmd, env = launch_command("text_classification", args, num_processes=2)

@@ -35,7 +35,20 @@ from conftest import (
     write_jsonl,
 )
 
-from ft_accum.testing import make_conversations, make_tiny_chat_lm, run_with_stack_dump, runs_script
+from ft_accum.testing import (
+    make_conversations,
+    make_preference_pairs,
+    make_rows,
+    make_sentence_pairs,
+    make_tagged_rows,
+    make_text_pairs,
+    make_tiny_chat_lm,
+    make_tiny_t5,
+    make_tiny_tagger,
+    preference_args,
+    run_with_stack_dump,
+    runs_script,
+)
 
 pytestmark = pytest.mark.launch
 SGD = {"optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0}
@@ -99,8 +112,54 @@ def lm_args(model_dir, data, out, micro, **settings):
     return tiny_lm_args(model_dir, data, out, **SGD, **split, **settings)
 
 
+def other_recipe_runs(root: Path, tiny_model_dir: Path, chat_model: Path) -> dict[str, tuple[str, list, list]]:
+    """{name: (recipe, one-process arguments at 8 × 1, FSDP arguments at 2 × 2 × 2)} for the recipes
+    FSDP serves besides the two above, each on a tiny model of its kind and 41 rows (13 pairs) that
+    leave the last window short and uneven across the processes: BERT classifiers (sequence, tokens,
+    a sentence pair's score), a T5 (its embedding shared by both stacks and the output layer:
+    run_setup.fit_fsdp_units) and DPO with LoRA (the reference is the policy with its adapters off)."""
+
+    def files(name, rows):
+        return {split: write_jsonl(root / f"{name}-{split}.jsonl", rows(n, seed=i))
+                for i, (split, n) in enumerate((("train", 41), ("validation", 9)))}  # fmt: skip
+
+    tagger, t5 = make_tiny_tagger(root / "tagger"), make_tiny_t5(root / "t5", tiny_model_dir)
+    settings = {
+        "text_classification": (tiny_model_dir, files("text", make_rows), {"max_seq_length": 48}),
+        "token_classification": (tagger, files("tags", make_tagged_rows), {"max_seq_length": 64}),
+        # Scores of 0 and 5 under a squared loss: at SGD's 0.5 the weights blow up (gradient norms of 1e5),
+        # where fp32's summation order alone moves them by more than 1e-5.
+        "sentence_pair_regression": (
+            tiny_model_dir,
+            files("pairs", make_sentence_pairs),
+            {"max_seq_length": 48, "learning_rate": 0.01},
+        ),
+        "seq2seq": (t5, files("s2s", make_text_pairs), {"max_source_length": 48, "max_target_length": 16}),
+    }
+    runs = {}
+    for recipe, (model, data, lengths) in settings.items():
+        runs[recipe] = tuple(
+            [recipe]
+            + [recipe_args(model, data, root / recipe / name, **{**SGD, **lengths, **split})
+               for name, split in (("one", {"per_device_train_batch_size": 8}),
+                                   ("fsdp", {"per_device_train_batch_size": 2, "effective_batch_size": 8}))]
+        )  # fmt: skip
+    pairs = {"train": write_jsonl(root / "prefs-train.jsonl", make_preference_pairs(13, seed=5)),
+             "validation": write_jsonl(root / "prefs-val.jsonl", make_preference_pairs(5, seed=6))}  # fmt: skip
+    runs["preference_tuning"] = (
+        "preference_tuning",
+        preference_args(chat_model, pairs, root / "dpo" / "one", "dpo", True, 8, 1),
+        preference_args(chat_model, pairs, root / "dpo" / "fsdp", "dpo", True, 2, 2),
+    )
+    return runs
+
+
+def output_of(args: list[str]) -> Path:
+    return Path(next(a for a in args if a.startswith("--output_dir=")).split("=", 1)[1])
+
+
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory, tiny_llama_dir, documents, fsdp_config):
+def fsdp_runs(tmp_path_factory, tiny_llama_dir, tiny_model_dir, documents, fsdp_config):
     """Each run in one process and under FSDP, the FSDP runs in one launch:
     - causal LM full fine-tuning, 6 epochs of 17 documents (18 updates), one process at 8 × 1 and
       FSDP at 2 × 2 × 2, checkpointing every 4;
@@ -118,6 +177,9 @@ def fsdp_runs(tmp_path_factory, tiny_llama_dir, documents, fsdp_config):
 
     run_in_process("causal_lm", lm_args(tiny_llama_dir, documents, root / "full" / "one", 8, **settings))
     run_in_process("instruction_tuning", chat_args(root / "lora" / "one", 8, 1))
+    others = other_recipe_runs(root, tiny_model_dir, chat_model)
+    for recipe, one, _ in others.values():
+        run_in_process(recipe, one)
     fsdp_launch(
         fsdp_config,
         {
@@ -126,21 +188,33 @@ def fsdp_runs(tmp_path_factory, tiny_llama_dir, documents, fsdp_config):
                 lm_args(tiny_llama_dir, documents, root / "full" / "fsdp", 2, **settings),
             ),
             root / "lora" / "fsdp": ("instruction_tuning", chat_args(root / "lora" / "fsdp", 2, 2)),
+            **{output_of(fsdp): (recipe, fsdp) for recipe, _, fsdp in others.values()},
         },
         root,
     )
-    return root, settings
+    return root, settings, {name: (output_of(fsdp), output_of(one)) for name, (_, one, fsdp) in others.items()}
 
 
 def test_full_fine_tuning_under_fsdp_matches_one_process(fsdp_runs):
-    root, _ = fsdp_runs
+    root, _, _ = fsdp_runs
     assert [m["samples_seen"] for m in read_metrics(root / "full" / "fsdp")][:3] == [8, 16, 17]
     assert_same_run(root / "full" / "fsdp", root / "full" / "one")
 
 
 def test_instruction_tuning_lora_under_fsdp_matches_one_process(fsdp_runs):
-    root, _ = fsdp_runs
+    root, _, _ = fsdp_runs
     assert_same_run(root / "lora" / "fsdp", root / "lora" / "one")
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    ["text_classification", "token_classification", "sentence_pair_regression", "seq2seq", "preference_tuning"],
+)
+def test_every_other_recipe_under_fsdp_matches_one_process(fsdp_runs, recipe):
+    fsdp, one = fsdp_runs[2][recipe]
+    assert [m["samples_seen"] for m in read_metrics(fsdp)] == [m["samples_seen"] for m in read_metrics(one)]
+    assert read_metrics(fsdp)[-1]["samples_seen"] in (41, 13)  # the short last window counted exactly
+    assert_same_run(fsdp, one)
 
 
 def test_the_graceful_stop_under_fsdp(tmp_path, fsdp_runs, tiny_llama_dir, documents, fsdp_config):
@@ -148,7 +222,7 @@ def test_the_graceful_stop_under_fsdp(tmp_path, fsdp_runs, tiny_llama_dir, docum
     checkpoint is complete when the launcher returns, and the saved command resumes from it to the
     same final weights as the uninterrupted FSDP run, bit for bit (the resume of a sharded
     checkpoint: a periodic one is written by the same save)."""
-    root, settings = fsdp_runs
+    root, settings, _ = fsdp_runs
     out = tmp_path / "stopped"
     args = lm_args(tiny_llama_dir, documents, out, 2, **{**settings, "checkpointing_steps": None})
     cmd, env = fsdp_command(fsdp_config, recipe_script("causal_lm", args), "ft-accum")

@@ -32,7 +32,8 @@ def check(capsys, recipe: Path, *flags: str) -> tuple[int, str]:
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.py")), ids=lambda p: p.stem)
 def test_every_recipe_keeps_the_contract(recipe, capsys):
     # One validation row: evaluation is run, not compared, and each default's first row fills a batch.
-    code, out = check(capsys, recipe, "--num_layers", "1", "--eval_rows", "1")
+    # --skip_fsdp: tests/test_engines.py runs every recipe's shipped defaults under FSDP in one launch.
+    code, out = check(capsys, recipe, "--num_layers", "1", "--eval_rows", "1", "--skip_fsdp")
     table = out[out.index(f"ft-accum check {recipe}") :]
     assert code == 0 and "6 of 6 passed" in table and "FAIL" not in table, table
 
@@ -50,7 +51,7 @@ def test_a_copy_with_the_classic_bug_fails_the_check_with_the_size_of_the_error(
             "validation": write_jsonl(tmp_path / "val.jsonl", make_documents(4, seed=12))}  # fmt: skip
     flags = tiny_lm_args(tiny_gpt2_dir, data, tmp_path / "unused")
     flags = [f for f in flags if not f.startswith("--output_dir")]
-    code, out = check(capsys, buggy, *flags)
+    code, out = check(capsys, buggy, *flags, "--skip_fsdp")
     assert code == 1, out[-3000:]
     failed = [line for line in out.splitlines() if " FAIL " in line]
     assert any("grad_norm of every update" in line for line in failed), out[-2000:]
@@ -59,4 +60,32 @@ def test_a_copy_with_the_classic_bug_fails_the_check_with_the_size_of_the_error(
     assert "the recipe breaks the contract" in out
 
     # The same flags on the shipped recipe pass: the failure is the bug, not the flags.
-    assert check(capsys, ROOT / "recipes" / "causal_lm.py", *flags)[0] == 0
+    assert check(capsys, ROOT / "recipes" / "causal_lm.py", *flags, "--skip_fsdp")[0] == 0
+
+
+def test_a_copy_whose_sample_runs_on_the_main_process_only_fails_the_fsdp_check(tmp_path, tiny_llama_dir, capsys):
+    """The hang of issue 42 in a copied template: the end-of-run sample generated on the main process
+    only. Under FSDP the main process then waits in an all-gather that the other never joins; check 4
+    (2 CPU processes under the shipped fsdp.yaml) fails instead of hanging, and the shipped recipe,
+    with the same flags, passes it."""
+    source = (ROOT / "recipes" / "causal_lm.py").read_text()
+    every_rank = "    if not task.generate_prompt:\n        return {}\n"
+    assert every_rank in source
+    copy = tmp_path / "my_causal_lm.py"
+    copy.write_text(
+        source.replace(
+            every_rank,
+            every_rank.replace("task.generate_prompt", "(task.generate_prompt and accelerator.is_main_process)"),
+        )
+    )
+    data = {"train": write_jsonl(tmp_path / "train.jsonl", make_documents(20, seed=11)),
+            "validation": write_jsonl(tmp_path / "val.jsonl", make_documents(4, seed=12))}  # fmt: skip
+    flags = [f for f in tiny_lm_args(tiny_llama_dir, data, tmp_path / "unused") if not f.startswith("--output_dir")]
+    flags += ["--generate_prompt", "the bank", "--max_new_tokens", "3", "--ddp_timeout", "10"]
+    code, out = check(capsys, copy, *flags)
+    row = next(line for line in out.splitlines() if "FSDP, 2 CPU processes: the end of the run ends" in line)
+    assert code == 1 and " FAIL " in row, out[-3000:]
+    assert "6 of 7 passed" in out and "a process stopped joining collective operations" in row, out[-2000:]
+
+    code, out = check(capsys, ROOT / "recipes" / "causal_lm.py", *flags)
+    assert code == 0 and "7 of 7 passed" in out, out[-3000:]

@@ -3,35 +3,18 @@ format and metric, and DDP on a row count that leaves the last window short and 
 contract (exact accumulation and resume, one-line errors) is checked by test_recipe_contract.py."""
 
 import json
-import random
 
 import pytest
 from conftest import assert_same_run, launch, read_metrics, run_in_process, tiny_args, write_jsonl
 
-from ft_accum.testing import COMMON, TOPICS
-
-
-def pair_rows(n: int, seed: int) -> list[dict]:
-    """Pairs of 4 to 20 words: the same topic scores 5, different topics 0."""
-    rng = random.Random(seed)
-    topics, rows = list(TOPICS), []
-    for i in range(n):
-        a, b = topics[i % len(topics)], rng.choice(topics)
-
-        def sentence(topic):
-            return " ".join(
-                rng.choice(TOPICS[topic] if rng.random() < 0.6 else COMMON) for _ in range(rng.randint(4, 20))
-            )
-
-        rows.append({"sentence1": sentence(a), "sentence2": sentence(b), "score": 5.0 if a == b else 0.0})
-    return rows
+from ft_accum.testing import make_sentence_pairs
 
 
 @pytest.fixture(scope="module")
 def pair_files(tmp_path_factory):
     path = tmp_path_factory.mktemp("pairs")
-    return {"train": write_jsonl(path / "train.jsonl", pair_rows(41, seed=1)),
-            "validation": write_jsonl(path / "validation.jsonl", pair_rows(12, seed=2))}  # fmt: skip
+    return {"train": write_jsonl(path / "train.jsonl", make_sentence_pairs(41, seed=1)),
+            "validation": write_jsonl(path / "validation.jsonl", make_sentence_pairs(12, seed=2))}  # fmt: skip
 
 
 def test_pearson_is_reported_and_the_head_is_a_regression(tmp_path, tiny_model_dir, pair_files):

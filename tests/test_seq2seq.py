@@ -5,13 +5,9 @@ Targets of 1 to 12 words make the target-token count differ from micro-batch to 
 """
 
 import json
-import random
 
 import pytest
-import torch
 from conftest import (
-    COMMON,
-    TOPICS,
     assert_same_run,
     copy_checkpoint,
     error_of,
@@ -24,49 +20,21 @@ from conftest import (
     write_jsonl,
 )
 
-
-def pairs(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    words = sorted({w for ws in TOPICS.values() for w in ws} | set(COMMON))
-    rows = []
-    for _ in range(n):
-        source = [rng.choice(words) for _ in range(rng.randint(5, 30))]
-        rows.append({"source": " ".join(source), "target": " ".join(sorted(source)[: rng.randint(1, 12)])})
-    return rows
+from ft_accum.testing import make_text_pairs, make_tiny_t5
 
 
 @pytest.fixture(scope="module")
 def pair_files(tmp_path_factory):
     path = tmp_path_factory.mktemp("pairs")
     return {
-        "train": write_jsonl(path / "train.jsonl", pairs(48, seed=1)),
-        "validation": write_jsonl(path / "validation.jsonl", pairs(8, seed=2)),
+        "train": write_jsonl(path / "train.jsonl", make_text_pairs(48, seed=1)),
+        "validation": write_jsonl(path / "validation.jsonl", make_text_pairs(8, seed=2)),
     }
 
 
 @pytest.fixture(scope="module")
 def tiny_t5_dir(tmp_path_factory, tiny_model_dir):
-    """A 1-layer, 32-wide T5 (stands for any hub T5/BART) with the tiny BERT's tokenizer."""
-    from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
-
-    path = tmp_path_factory.mktemp("tiny-t5")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.save_pretrained(path)
-    config = T5Config(
-        vocab_size=len(tokenizer),
-        d_model=32,
-        d_kv=16,
-        d_ff=64,
-        num_layers=1,
-        num_heads=2,
-        dropout_rate=0.0,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.sep_token_id,
-        decoder_start_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    T5ForConditionalGeneration(config).save_pretrained(path)
-    return path
+    return make_tiny_t5(tmp_path_factory.mktemp("tiny-t5"), tiny_model_dir)
 
 
 def s2s_args(model_dir, data, output_dir, **overrides):

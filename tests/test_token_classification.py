@@ -6,10 +6,8 @@ half of them tagged make the labelled-token count differ from micro-batch to mic
 """
 
 import json
-import random
 
 import pytest
-import torch
 from conftest import (
     COMMON,
     TOPICS,
@@ -25,54 +23,20 @@ from conftest import (
     write_jsonl,
 )
 
+from ft_accum.testing import make_tagged_rows, make_tiny_tagger
+
 
 @pytest.fixture(scope="module")
 def tiny_tagger_dir(tmp_path_factory):
-    from transformers import BertConfig, BertForTokenClassification, BertTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny-bert-tagger")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "##s"] + sorted(
-        {w for ws in TOPICS.values() for w in ws} | set(COMMON)
-    )
-    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)})
-    assert tokenizer.tokenize("goals") == ["goal", "##s"]
-    tokenizer.save_pretrained(path)
-    config = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )
-    torch.manual_seed(0)
-    BertForTokenClassification(config).save_pretrained(path)
-    return path
-
-
-def tagged_rows(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        words, tags = [], []
-        for _ in range(rng.randint(3, 30)):
-            topic = rng.choice(["sport", "money", None, None])
-            word = rng.choice(TOPICS[topic] if topic else COMMON)
-            words.append(word + ("s" if rng.random() < 0.3 else ""))
-            tags.append(f"B-{topic.upper()}" if topic else "O")
-        rows.append({"tokens": words, "ner_tags": tags})
-    return rows
+    return make_tiny_tagger(tmp_path_factory.mktemp("tiny-bert-tagger"))
 
 
 @pytest.fixture(scope="module")
 def tag_files(tmp_path_factory):
     path = tmp_path_factory.mktemp("tag-data")
     return {
-        "train": write_jsonl(path / "train.jsonl", tagged_rows(48, seed=1)),
-        "validation": write_jsonl(path / "validation.jsonl", tagged_rows(12, seed=2)),
+        "train": write_jsonl(path / "train.jsonl", make_tagged_rows(48, seed=1)),
+        "validation": write_jsonl(path / "validation.jsonl", make_tagged_rows(12, seed=2)),
     }
 
 

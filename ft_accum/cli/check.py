@@ -10,6 +10,12 @@ rows of whatever data and model your flags (or the recipe's config) give:
    and after the epoch) runs on the first 4 validation rows (`--eval_rows`): it is run, not compared.
 3. A run resumed from the checkpoint before its last update (the short window) ends bit-identical
    to the uninterrupted run.
+4. The end of the run (evaluation, the sample, the merge: every model call after the last update)
+   ends under FSDP on 2 CPU processes, on the shipped accelerate_configs/fsdp.yaml with Accelerate's
+   FSDP plugin switched on for CPU (inside the check only), or the recipe refuses FSDP in one line.
+   Under FSDP every rank must make every model call: a call on the main process only waits for the
+   others for ever, and here becomes an error after --ddp_timeout (60 s unless the flags give one).
+   `--skip_fsdp` skips it.
 
 The runs use SGD without clipping, warm-up, weight decay or LR scaling, so an update is linear in
 its gradient and a wrong scale shows at its size (AdamW would hide most of it). Every module is
@@ -23,13 +29,19 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 TOLERANCE = 1e-5  # fp32 runs that differ only in summation order agree to ~1e-7
+ROOT = Path(__file__).resolve().parents[2]
+FSDP_TIMEOUT = 60  # --ddp_timeout of the FSDP run: a process left waiting stops it after this long
 
 
 @dataclass
@@ -132,7 +144,12 @@ def largest_relative_difference(ours: list[dict], theirs: list[dict], key: str) 
 
 
 def check(
-    recipe_path: Path, flags: list[str], rows: int = 20, num_layers: int | None = None, eval_rows: int = 4
+    recipe_path: Path,
+    flags: list[str],
+    rows: int = 20,
+    num_layers: int | None = None,
+    eval_rows: int = 4,
+    fsdp: bool = True,
 ) -> list[Result]:
     results = []
     failed = run(recipe_path, ["--no_such_flag_for_the_check=1"])
@@ -209,9 +226,42 @@ def check(
                 ours, theirs = final_weights(resumed), final_weights(work / "2x4")
                 worst = max(float((ours[k].double() - theirs[k].double()).abs().max()) for k in theirs)
                 results.append(Result(name, worst == 0.0, f"max |difference| {worst:.1e}"))
+        if fsdp:
+            results.append(end_of_run_under_fsdp(recipe_path, flags, work / "engine", rows, eval_rows, num_layers))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return results
+
+
+def end_of_run_under_fsdp(
+    recipe_path: Path, flags: list[str], work: Path, rows: int, eval_rows: int, num_layers: int | None
+) -> Result:
+    """Check 4: one update and the end of the run under FSDP on 2 CPU processes (see the module docstring)."""
+    import yaml
+
+    name = "FSDP, 2 CPU processes: the end of the run ends"
+    config = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp.yaml").read_text()) | {"mixed_precision": "no"}
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "fsdp.yaml").write_text(yaml.safe_dump(config))
+    with socket.socket() as s:  # a free port for the launch's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # A --ddp_timeout among the recipe flags comes later and wins.
+    run_flags = ["--ddp_timeout", str(FSDP_TIMEOUT), *flags, "--max_train_samples", str(rows), "--max_eval_samples",
+                 str(eval_rows), "--max_train_steps", "1", "--per_device_train_batch_size", "2", "--effective_batch_size",
+                 "8", "--report_to", "none", "--output_dir", str(work / "fsdp")]  # fmt: skip
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(work / "fsdp.yaml"),
+               "--num_processes", "2", "--main_process_port", str(port), str(Path(__file__).with_name("fsdp_end_of_run.py")),
+               str(recipe_path), str(num_layers or 0), *run_flags]  # fmt: skip
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30 * FSDP_TIMEOUT)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error: ")]
+    if result.returncode == 0:
+        return Result(name, True, f"exit 0 in {time.monotonic() - started:.0f} s")
+    if errors and errors[0].startswith("error: FSDP cannot serve"):
+        return Result(name, True, f"refused in one line: {errors[0][7:90]}")
+    return Result(name, False, (errors[0] if errors else result.stderr.strip()[-300:])[:300])
 
 
 def format_table(results: list[Result]) -> str:
@@ -225,7 +275,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="ft-accum check",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
-        usage="ft-accum check recipes/my_recipe.py [--rows N] [--eval_rows N] [--num_layers N] [recipe flags]",
+        usage="ft-accum check recipes/my_recipe.py [--rows N] [--eval_rows N] [--num_layers N] [--skip_fsdp] [recipe flags]",
     )
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--rows", type=int, default=20, help="training rows for the runs (default 20: 8 + 8 + 4)")
@@ -241,12 +291,17 @@ def main(argv: list[str]) -> int:
         default=None,
         help="keep only the first N layers of each transformers model (faster; the loop is checked the same)",
     )
+    parser.add_argument(
+        "--skip_fsdp",
+        action="store_true",
+        help="skip check 4, the end of the run under FSDP on 2 CPU processes (a launch of its own, ~30 s)",
+    )
     options, flags = parser.parse_known_args(argv)
     if not options.recipe.is_file():
         raise SystemExit(
             f"error: {options.recipe} does not exist; pass a recipe file, e.g. recipes/text_classification.py"
         )
-    results = check(options.recipe, flags, options.rows, options.num_layers, options.eval_rows)
+    results = check(options.recipe, flags, options.rows, options.num_layers, options.eval_rows, not options.skip_fsdp)
     print(f"ft-accum check {options.recipe}")
     print(format_table(results))
     failed = [r for r in results if not r.passed]

@@ -93,6 +93,98 @@ def make_tiny_bert(path: Path) -> Path:
     return path
 
 
+def make_tiny_tagger(path: Path) -> Path:
+    """A 2-layer, 32-wide BERT token classifier (3 labels, dropout 0) whose vocabulary has "##s", so
+    that plural words split into two sub-tokens."""
+    from transformers import BertConfig, BertForTokenClassification, BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "##s"] + sorted(
+        {w for ws in TOPICS.values() for w in ws} | set(COMMON)
+    )
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)})
+    assert tokenizer.tokenize("goals") == ["goal", "##s"]
+    tokenizer.save_pretrained(path)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
+    torch.manual_seed(0)
+    BertForTokenClassification(config).save_pretrained(path)
+    return path
+
+
+def make_tagged_rows(n: int, seed: int) -> list[dict]:
+    """Sentences of 3 to 30 words, about half tagged B-SPORT or B-MONEY, some plural (two sub-tokens)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words, tags = [], []
+        for _ in range(rng.randint(3, 30)):
+            topic = rng.choice(["sport", "money", None, None])
+            word = rng.choice(TOPICS[topic] if topic else COMMON)
+            words.append(word + ("s" if rng.random() < 0.3 else ""))
+            tags.append(f"B-{topic.upper()}" if topic else "O")
+        rows.append({"tokens": words, "ner_tags": tags})
+    return rows
+
+
+def make_text_pairs(n: int, seed: int) -> list[dict]:
+    """Seq2seq rows: a source of 5 to 30 words, a target of 1 to 12 of them, sorted."""
+    rng = random.Random(seed)
+    words = sorted({w for ws in TOPICS.values() for w in ws} | set(COMMON))
+    rows = []
+    for _ in range(n):
+        source = [rng.choice(words) for _ in range(rng.randint(5, 30))]
+        rows.append({"source": " ".join(source), "target": " ".join(sorted(source)[: rng.randint(1, 12)])})
+    return rows
+
+
+def make_tiny_t5(path: Path, tokenizer_dir: Path) -> Path:
+    """A 1-layer, 32-wide T5 (stands for any hub T5/BART) with the tokenizer in `tokenizer_dir`."""
+    from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.save_pretrained(path)
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        d_kv=16,
+        d_ff=64,
+        num_layers=1,
+        num_heads=2,
+        dropout_rate=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.sep_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(config).save_pretrained(path)
+    return path
+
+
+def make_sentence_pairs(n: int, seed: int) -> list[dict]:
+    """Pairs of 4 to 20 words: the same topic scores 5, different topics 0."""
+    rng = random.Random(seed)
+    topics, rows = list(TOPICS), []
+    for i in range(n):
+        a, b = topics[i % len(topics)], rng.choice(topics)
+
+        def sentence(topic):
+            return " ".join(
+                rng.choice(TOPICS[topic] if rng.random() < 0.6 else COMMON) for _ in range(rng.randint(4, 20))
+            )
+
+        rows.append({"sentence1": sentence(a), "sentence2": sentence(b), "score": 5.0 if a == b else 0.0})
+    return rows
+
+
 def recipe_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **settings) -> list[str]:
     """Flags for a fast, deterministic run of any recipe on a tiny model (fp32, no LR scaling, no
     tracker). `settings` add to or override these; a value of None drops the flag."""

@@ -206,11 +206,26 @@ def save_final(accelerator, model, tokenizer, output_dir: Path, name: str = "fin
     """
     accelerator.wait_for_everyone()
     check_finite_parameters(accelerator.unwrap_model(model), f"{name}/")
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = without_tied_copies(accelerator.unwrap_model(model), accelerator.get_state_dict(model))
     if accelerator.is_main_process:
         write_pretrained(accelerator.unwrap_model(model), tokenizer, output_dir, name, state_dict)
     accelerator.wait_for_everyone()
     return Path(output_dir) / name
+
+
+def without_tied_copies(model, state_dict: dict | None) -> dict | None:
+    """`state_dict` without the second and later names of a tied parameter (T5's shared embedding
+    under `encoder.embed_tokens` and `lm_head`, a tied output layer). FSDP's gathered state dict
+    gives each name a tensor of its own, so `save_pretrained`, which drops a tie by its shared
+    storage, wrote every copy; the first name is the one it keeps for an unsharded model."""
+    if state_dict is None:
+        return None
+    seen, copies = set(), set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            copies.add(name)
+        seen.add(id(param))
+    return {key: value for key, value in state_dict.items() if key not in copies}
 
 
 def write_pretrained(model, tokenizer, output_dir: Path, name: str, state_dict: dict | None = None) -> Path:
