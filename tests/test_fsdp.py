@@ -20,16 +20,19 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 from conftest import (
     FAULT_HOOKS,
     RECIPES,
     ROOT,
+    RTOL,
     assert_same_run,
     final_weights,
     free_port,
     make_documents,
     read_metrics,
     recipe_args,
+    relative_error,
     run_in_process,
     tiny_lm_args,
     write_jsonl,
@@ -173,7 +176,8 @@ def fsdp_runs(tmp_path_factory, tiny_llama_dir, tiny_model_dir, documents, fsdp_
 
     def chat_args(out, micro, accumulation):
         return recipe_args(chat_model, chats, out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-                           use_lora=True, max_seq_length=512, exact_match_max_words=1, max_new_tokens=2, **SGD)  # fmt: skip
+                           use_lora=True, max_seq_length=512, exact_match_max_words=1, max_new_tokens=2, merge_lora=True,
+                           **SGD)  # fmt: skip
 
     run_in_process("causal_lm", lm_args(tiny_llama_dir, documents, root / "full" / "one", 8, **settings))
     run_in_process("instruction_tuning", chat_args(root / "lora" / "one", 8, 1))
@@ -202,8 +206,17 @@ def test_full_fine_tuning_under_fsdp_matches_one_process(fsdp_runs):
 
 
 def test_instruction_tuning_lora_under_fsdp_matches_one_process(fsdp_runs):
+    """The adapter, and the model it is merged into (--merge_lora: merge_and_unload on every rank, of
+    the sharded weights, then one gathered save)."""
     root, _, _ = fsdp_runs
     assert_same_run(root / "lora" / "fsdp", root / "lora" / "one")
+    merged, reference = (
+        load_file(str(root / "lora" / run / "final_merged" / "model.safetensors")) for run in ("fsdp", "one")
+    )
+    assert relative_error(merged, reference) <= RTOL
+    # the merge changed the base: the adapter's update is in the merged weights
+    base = load_file(str(next((root / "chat-model").glob("*.safetensors"))))
+    assert relative_error(base, reference) > 10 * RTOL
 
 
 @pytest.mark.parametrize(
