@@ -59,14 +59,25 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def make_tiny_bert(path: Path) -> Path:
     """A 2-layer, 32-wide BERT classifier with dropout 0, saved like a hub checkpoint."""
-    Path(path).mkdir(parents=True, exist_ok=True)
-    from transformers import (
-        BertConfig,
-        BertForSequenceClassification,
-        BertTokenizerFast,
-    )
+    from transformers import BertForSequenceClassification
 
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(
+    return save_tiny_bert(path, BertForSequenceClassification, num_labels=len(TOPICS))
+
+
+def make_tiny_tagger(path: Path) -> Path:
+    """A 2-layer, 32-wide BERT token classifier (3 labels, dropout 0) whose vocabulary has "##s", so
+    that plural words split into two sub-tokens."""
+    from transformers import BertForTokenClassification
+
+    return save_tiny_bert(path, BertForTokenClassification, num_labels=3, extra_tokens=["##s"])
+
+
+def save_tiny_bert(path: Path, model_class, num_labels: int, extra_tokens: list[str] | None = None) -> Path:
+    """A 2-layer, 32-wide BERT `model_class` (dropout 0) and its word-level tokenizer over TOPICS and COMMON."""
+    from transformers import BertConfig, BertTokenizerFast
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(extra_tokens or [])] + sorted(
         {w for ws in TOPICS.values() for w in ws} | set(COMMON)
     )
     (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
@@ -76,6 +87,8 @@ def make_tiny_bert(path: Path) -> Path:
     if len(tokenizer) != len(vocab):
         tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"))
     assert len(tokenizer) == len(vocab) and tokenizer.unk_token_id not in tokenizer("the match")["input_ids"]
+    if extra_tokens:
+        assert tokenizer.tokenize("goals") == ["goal", "##s"]
     tokenizer.save_pretrained(path)
     config = BertConfig(
         vocab_size=len(vocab),
@@ -86,37 +99,10 @@ def make_tiny_bert(path: Path) -> Path:
         max_position_embeddings=64,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
-        num_labels=len(TOPICS),
+        num_labels=num_labels,
     )
     torch.manual_seed(0)
-    BertForSequenceClassification(config).save_pretrained(path)
-    return path
-
-
-def make_tiny_tagger(path: Path) -> Path:
-    """A 2-layer, 32-wide BERT token classifier (3 labels, dropout 0) whose vocabulary has "##s", so
-    that plural words split into two sub-tokens."""
-    from transformers import BertConfig, BertForTokenClassification, BertTokenizerFast
-
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "##s"] + sorted(
-        {w for ws in TOPICS.values() for w in ws} | set(COMMON)
-    )
-    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)})
-    assert tokenizer.tokenize("goals") == ["goal", "##s"]
-    tokenizer.save_pretrained(path)
-    config = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )
-    torch.manual_seed(0)
-    BertForTokenClassification(config).save_pretrained(path)
+    model_class(config).save_pretrained(path)
     return path
 
 
