@@ -193,10 +193,8 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, 
             pad_token_id=tokenizer.pad_token_id,
         )
         answers = tokenizer.batch_decode(generated[:real, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-        hits, count = (
-            hits + sum(normalize(a) == normalize(c[-1]["content"]) for a, c in zip(answers, chunk)),
-            count + real,
-        )
+        hits += sum(normalize(a) == normalize(c[-1]["content"]) for a, c in zip(answers, chunk))
+        count += real
     tokenizer.padding_side = "right"
     hits, count = accelerator.reduce(torch.tensor([hits, count], device=accelerator.device), "sum").tolist()
     model.train()

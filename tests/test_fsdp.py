@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 from conftest import (
     FAULT_HOOKS,
     RECIPES,
@@ -37,6 +36,7 @@ from conftest import (
     tiny_lm_args,
     write_jsonl,
 )
+from safetensors.torch import load_file
 
 from ft_accum.testing import (
     make_conversations,
