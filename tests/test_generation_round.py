@@ -1,0 +1,62 @@
+"""ft_accum/training/generation_round.py: a round's completions depend on the prompt and the seed
+only (issue 43: generation does not depend on the split), and leave the training RNG as it was.
+On a tiny Llama with SmolLM2's tokenizer, in this process; the 2-process round is the recipe's."""
+
+import pytest
+import torch
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ft_accum.data.chat_data import render_ids
+from ft_accum.training.generation_round import generate_round
+from ft_accum.training.run_setup import reset_accelerate_state
+
+
+@pytest.fixture
+def setup(chat_lm_dir):
+    accelerator = Accelerator(cpu=True)
+    tokenizer = AutoTokenizer.from_pretrained(chat_lm_dir)
+    model = AutoModelForCausalLM.from_pretrained(chat_lm_dir)
+    prompts = [render_ids(tokenizer, [{"role": "user", "content": f"What is {i} + {i}?"}], add_generation_prompt=True)
+               for i in range(5)]  # fmt: skip
+    model.train()  # as in the training loop: the round samples in eval mode, then puts it back
+    yield accelerator, model, tokenizer, prompts
+    reset_accelerate_state()
+
+
+def round_of(accelerator, model, tokenizer, prompts, indices, eos=None, length=6):
+    return generate_round(
+        accelerator, model, [prompts[i] for i in indices], indices, seed=3, round_index=1, num_generations=4,
+        max_completion_length=length, temperature=1.0, top_p=1.0,
+        eos_token_id=tokenizer.eos_token_id if eos is None else eos, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+
+
+def by_prompt(completions):
+    return {(c.prompt_index, c.generation): c.completion_ids for c in completions}
+
+
+def test_a_prompts_completions_do_not_depend_on_the_other_prompts_or_their_order(setup):
+    accelerator, model, tokenizer, prompts = setup
+    everything = round_of(accelerator, model, tokenizer, prompts, [0, 1, 2, 3, 4])
+    assert [(c.prompt_index, c.generation) for c in everything] == [(p, g) for p in range(5) for g in range(4)]
+    shuffled = round_of(accelerator, model, tokenizer, prompts, [3, 0, 4])
+    alone = round_of(accelerator, model, tokenizer, prompts, [2])
+    assert by_prompt(shuffled) == {k: v for k, v in by_prompt(everything).items() if k[0] in (0, 3, 4)}
+    assert by_prompt(alone) == {k: v for k, v in by_prompt(everything).items() if k[0] == 2}
+    assert len({tuple(c.completion_ids) for c in everything}) > 10  # sampled, not one greedy answer repeated
+    assert all(c.truncated and len(c.completion_ids) == 6 for c in everything)  # no EOS drawn in 6 tokens
+
+
+def test_a_completion_ends_at_its_eos_and_the_training_rng_is_untouched(setup):
+    accelerator, model, tokenizer, prompts = setup
+    first = round_of(accelerator, model, tokenizer, prompts, [0])[0].completion_ids
+    eos = first[2]  # a token this completion draws: as EOS, it ends the completion there
+    torch.manual_seed(11)
+    ended = round_of(accelerator, model, tokenizer, prompts, [0], eos=eos)[0]
+    after_round = torch.rand(3)
+    torch.manual_seed(11)
+    assert torch.equal(after_round, torch.rand(3))
+    stop = first.index(eos)
+    assert ended.completion_ids == first[: stop + 1] and not ended.truncated
+    assert model.training  # put back in training mode
