@@ -444,9 +444,11 @@ def counting_causal_lms():
         yield seen
 
 
-def make_tiny_chat_lm(path: Path, width: int = 32, tokenizer_dir: Path | None = None) -> Path:
+def make_tiny_chat_lm(path: Path, width: int = 32, tokenizer_dir: Path | None = None, eos_scale: float = 1.0) -> Path:
     """A 2-layer, `width`-wide Llama with SmolLM2-135M-Instruct's real tokenizer and chat template (bundled,
-    offline), or the tokenizer in `tokenizer_dir`."""
+    offline), or the tokenizer in `tokenizer_dir`. `eos_scale` multiplies the output layer's EOS row:
+    at 60 its logit is large one way or the other, so sampled completions stop early at some
+    positions and run to the length limit at others (the GRPO tests' unequal lengths)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from ft_accum.data.offline_assets import bundled_smollm2_dir
@@ -458,9 +460,19 @@ def make_tiny_chat_lm(path: Path, width: int = 32, tokenizer_dir: Path | None = 
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
     )  # fmt: skip
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] *= eos_scale
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def varied_reward(prompts, completions, **columns) -> list[float]:
+    """A reward for the GRPO tests that differs between completions of one prompt: a function of the
+    completion's text only (its length and letters), so equal completions score equally."""
+    texts = [c if isinstance(c, str) else "".join(m["content"] for m in c) for c in completions]
+    return [(len(t) % 7) / 6 + 0.5 * sum(ch in "aeiou" for ch in t) / max(len(t), 1) for t in texts]
 
 
 def build_word_tokenizer(path: Path):

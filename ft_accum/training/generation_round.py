@@ -121,3 +121,45 @@ def accelerate_gather(accelerator, items: list) -> list:
     from accelerate.utils import gather_object
 
     return gather_object(items)
+
+
+def completion_batch(completions: list[Completion], pad_token_id: int, device, mask_truncated: bool = False) -> dict:
+    """A micro-batch of completions: prompts padded on the left and completions on the right, so that
+    every completion starts at the same column P. `input_ids`, `attention_mask`, `position_ids`
+    [B, P + C]; `completion_ids`, `completion_mask` [B, C] (1 for a token that counts: not padding,
+    and not any token of a truncated completion under `mask_truncated`)."""
+    prompt_width = max(len(c.prompt_ids) for c in completions)
+    width = max(len(c.completion_ids) for c in completions)
+    input_ids, attention, completion_ids, completion_mask = [], [], [], []
+    for c in completions:
+        left, right = prompt_width - len(c.prompt_ids), width - len(c.completion_ids)
+        input_ids.append([pad_token_id] * left + c.prompt_ids + c.completion_ids + [pad_token_id] * right)
+        attention.append([0] * left + [1] * (len(c.prompt_ids) + len(c.completion_ids)) + [0] * right)
+        completion_ids.append(c.completion_ids + [pad_token_id] * right)
+        counts = 0 if (mask_truncated and c.truncated) else 1
+        completion_mask.append([counts] * len(c.completion_ids) + [0] * right)
+    attention_mask = torch.tensor(attention, device=device)
+    return {
+        "input_ids": torch.tensor(input_ids, device=device),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "completion_ids": torch.tensor(completion_ids, device=device),
+        "completion_mask": torch.tensor(completion_mask, device=device, dtype=torch.float32),
+    }
+
+
+def completion_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion token's log-probability [B, C], and the policy's entropy there (detached).
+    Only the completion's logits are built (`logits_to_keep`): never the prompt's [B, P, V]."""
+    width = batch["completion_ids"].shape[1]
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        logits_to_keep=width + 1,
+        use_cache=False,
+    ).logits[:, :-1]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    token_log_probs = log_probs.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1).detach()
+    return token_log_probs, entropy

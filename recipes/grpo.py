@@ -1,0 +1,345 @@
+r"""accelerate launch --config_file accelerate_configs/cpu.yaml recipes/grpo.py \
+    --config recipes/configs/grpo.yaml
+
+Online RL with verifiable rewards: GRPO, DAPO, Dr. GRPO and GSPO, with exact accumulation.
+
+Each round takes the next prompts, samples G completions of each (`--num_generations`), scores
+them with the reward functions, and turns the scores into group advantages (minus the group's
+mean, divided by its std unless --scale_rewards false, as Dr. GRPO has it). Then it runs the
+round's optimizer updates, each accumulated over micro-batches of completions. Every update is
+divided by its own count (completions, or completion tokens for --loss_type dapo) over all its
+micro-batches and processes, so it equals the update of one large batch whatever the split:
+ft_accum/core/grpo_loss.py gives the formulas and their sources. The completions do not depend on
+the split either: each prompt's are sampled alone, seeded by (seed, round, prompt).
+
+With no flags it LoRA-tunes SmolLM2-135M-Instruct (bundled, offline) on arithmetic prompts the
+project generates, rewarded 1 for the right number (ft_accum/data/rewards.py), and reports the
+held-out reward of greedy answers before and after.
+
+The settings that matter (TRL's names and meanings):
+- --per_device_train_batch_size counts completions; --effective_batch_size is completions per update.
+- --num_generations (G ≥ 2), --max_completion_length, --temperature, --top_p.
+- --generation_batch_size: completions per round (a multiple of G and of the effective batch;
+  default: one update per round). --num_iterations > 1 reuses a round, clipping the ratio to the
+  round's policy at --epsilon (and --epsilon_high, DAPO's clip-higher).
+- --loss_type grpo, dapo or dr_grpo; --importance_sampling_level sequence is GSPO.
+- --beta > 0 adds the KL to the reference: the base with the adapter off (LoRA), else a frozen copy.
+- --reward_funcs module:function[,module:function] and --reward_weights: your own rewards.
+
+Outputs in --output_dir: final/, metrics.jsonl (rewards, lengths, clipping, entropy per update),
+all_results.json, checkpoints/step_XXXXXX/ (a resume at a round's end continues bit-identically).
+"""
+
+import copy
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+import datasets
+import torch
+from accelerate.utils import set_seed
+from transformers import AutoTokenizer
+
+from ft_accum.core import grpo_loss
+from ft_accum.core.batch_arithmetic import apply_batch_plan
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.loss_normalization import AccumulationWindow
+from ft_accum.data import chat_data, data_sources, offline_assets, rewards
+from ft_accum.models import loading, lora
+from ft_accum.training import every_rank, generation_round, run_setup, training_state
+from ft_accum.training.arguments import LoraArguments, run_main
+from ft_accum.training.graceful_stop import GracefulStop
+
+
+@dataclass
+class TaskArguments(LoraArguments):
+    model_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Local dir or hub name. Default: the bundled SmolLM2-135M-Instruct (offline)."}
+    )
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "Hub dataset (needs network). Default: generated arithmetic prompts."}
+    )
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
+    train_file: Optional[str] = field(default=None, metadata={"help": "Local json, jsonl or csv of prompts."})
+    validation_file: Optional[str] = field(
+        default=None, metadata={"help": "Held-out prompts; default: 10%% of train."}
+    )
+    prompt_column: str = field(default="prompt", metadata={"help": "A string (one user turn) or chat turns."})
+    num_generations: int = field(default=4, metadata={"help": "G: completions per prompt (≥ 2)."})
+    max_completion_length: int = field(default=16, metadata={"help": "Tokens per completion at most."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the round."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling of the round (1: off)."})
+    generation_batch_size: Optional[int] = field(
+        default=None, metadata={"help": "Completions per round, all processes; default: the effective batch."}
+    )
+    num_iterations: int = field(default=1, metadata={"help": "Passes over each round (> 1: clipped reuse)."})
+    loss_type: str = field(default="dapo", metadata={"help": f"One of {', '.join(grpo_loss.LOSS_TYPES)}."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "token, or sequence (GSPO)."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clip of the ratio: 1 − ε."})
+    epsilon_high: Optional[float] = field(default=None, metadata={"help": "Upper clip: 1 + ε_high (default ε)."})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference (0: no reference)."})
+    scale_rewards: bool = field(default=True, metadata={"help": "Divide advantages by the group's std."})
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "A completion cut at --max_completion_length counts nowhere."}
+    )
+    reward_funcs: str = field(default=rewards.BUNDLED_REWARD, metadata={"help": "module:function[,...]."})
+    reward_weights: Optional[str] = field(default=None, metadata={"help": "One weight per reward function."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"--num_generations {self.num_generations}: a group advantage needs ≥ 2 completions per prompt; use 4 or more"
+            )
+        if self.max_completion_length < 1:
+            raise ConfigError(f"--max_completion_length must be ≥ 1, got {self.max_completion_length}")
+        if self.loss_type not in grpo_loss.LOSS_TYPES:
+            raise ConfigError(f"--loss_type must be one of {', '.join(grpo_loss.LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in grpo_loss.IMPORTANCE_SAMPLING_LEVELS:
+            raise ConfigError(
+                f"--importance_sampling_level must be token or sequence, got {self.importance_sampling_level!r}"
+            )
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.num_iterations < 1 or self.beta < 0:
+            raise ConfigError("--temperature must be > 0, --top_p in (0, 1], --num_iterations ≥ 1 and --beta ≥ 0")
+        self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def build_model(task, args, accelerator):
+    """(policy, reference or None, tokenizer). The reference, for --beta > 0 only: the policy with its
+    adapter off under LoRA, else a frozen copy."""
+    name = task.model_name_or_path or str(offline_assets.bundled_smollm2_dir())
+    if task.use_lora:
+        lora.import_peft()
+    tokenizer = loading.load_pretrained(AutoTokenizer, name, args.trust_remote_code)
+    model = run_setup.load_causal_lm(
+        name, args, accelerator, frozen_base=task.use_lora, load_in_4bit=task.load_in_4bit
+    )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding counts nowhere, so any id will do
+    reference = None
+    if task.beta > 0 and not task.use_lora:
+        reference = copy.deepcopy(model).requires_grad_(False).eval().to(accelerator.device)
+    if args.gradient_checkpointing:
+        loading.enable_gradient_checkpointing(model)
+    if task.use_lora:
+        model = run_setup.apply_lora(model, task, args)
+    return model, reference, tokenizer
+
+
+def load_prompts(task, args, tokenizer) -> dict[str, list[dict]]:
+    """{split: rows}, each row its columns plus `prompt_ids` (the chat template, ready to generate from)."""
+    bundled = lambda seed: datasets.DatasetDict(  # noqa: E731
+        train=rewards.arithmetic_task(2000, seed), validation=rewards.arithmetic_task(200, seed + 1)
+    )
+    raw = run_setup.load_splits(task, seed=args.seed, bundled=bundled)
+    data_sources.check_columns(raw, prompt_column=task.prompt_column)  # the other columns stay: rewards read them
+    raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
+    splits = {}
+    for split, ds in raw.items():
+        rows = ds.to_list()
+        for row in rows:
+            turns = row[task.prompt_column]
+            turns = [{"role": "user", "content": turns}] if isinstance(turns, str) else turns
+            row["prompt_ids"] = chat_data.render_ids(tokenizer, turns, add_generation_prompt=True)
+        splits[split] = rows
+    return splits
+
+
+def reward_of(task, functions, weights, rows, completions, texts) -> tuple[torch.Tensor, list[list[float]]]:
+    """The weighted reward of each completion, and each function's scores."""
+    columns = {k: [rows[c.prompt_index][k] for c in completions] for k in rows[0] if k not in ("prompt_ids",)}
+    prompts = columns.pop(task.prompt_column)
+    scores = rewards.score(functions, prompts, texts, columns)
+    return torch.tensor([sum(w * s[i] for w, s in zip(weights, scores)) for i in range(len(texts))]), scores
+
+
+@torch.no_grad()
+def evaluate(task, accelerator, model, tokenizer, rows, functions, weights) -> dict:
+    """The mean reward of greedy answers to the held-out prompts, on all processes together."""
+    model.eval()
+    total = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+    for chunk, real in every_rank.rank_batches(
+        list(range(len(rows))), accelerator.process_index, accelerator.num_processes, 8
+    ):
+        prompts = [generation_round.Completion(i, 0, rows[i]["prompt_ids"], [], False) for i in chunk]
+        batch = generation_round.completion_batch(prompts, tokenizer.pad_token_id, accelerator.device)
+        generated = every_rank.generate(
+            accelerator, model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False,
+            max_new_tokens=task.max_completion_length, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        texts = tokenizer.batch_decode(generated[:real, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        scored, _ = reward_of(task, functions, weights, rows, prompts[:real], texts)
+        total += torch.tensor([float(scored.sum()), real], device=accelerator.device, dtype=torch.float64)
+    model.train()
+    reward_sum, count = accelerator.reduce(total, reduction="sum").tolist()
+    return {"eval_reward": reward_sum / max(count, 1)}
+
+
+def sample_round(
+    task, accelerator, model, tokenizer, rows, indices, functions, weights, *, micro, seed, round_index, reuse
+):
+    """A round: its completions of the prompts `rows[indices]`, their rewards (weighted, and per
+    function), group advantages, micro-batches of `micro` completions, and, when the round is used
+    for more than one update (`reuse`), the log-probs of the policy that sampled it."""
+    completions = generation_round.generate_round(
+        accelerator, model, [rows[i]["prompt_ids"] for i in indices], indices, seed=seed, round_index=round_index,
+        num_generations=task.num_generations, max_completion_length=task.max_completion_length,
+        temperature=task.temperature, top_p=task.top_p, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    texts = tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
+    scored, per_function = reward_of(task, functions, weights, rows, completions, texts)
+    advantages = grpo_loss.group_advantages(scored, task.num_generations, task.scale_rewards)
+    batches = [generation_round.completion_batch(completions[start : start + micro], tokenizer.pad_token_id,
+                                                 accelerator.device, task.mask_truncated_completions)
+               for start in range(0, len(completions), micro)]  # fmt: skip
+    old = None  # on-policy: the ratio is 1, its gradient the policy gradient's
+    if reuse:  # the round's policy, for the clipped ratio of its later updates
+        with torch.no_grad():
+            old = [generation_round.completion_log_probs(model, batch)[0] for batch in batches]
+    return completions, scored, per_function, advantages, batches, old
+
+
+def micro_batch_loss(task, accelerator, model, reference, batch, advantages, old_log_probs):
+    """The micro-batch's per-token loss [B, C], and its clipped tokens, entropy and KL (for the logs)."""
+    log_probs, entropy = generation_round.completion_log_probs(model, batch)
+    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    weights = grpo_loss.log_importance_weights(
+        log_probs, old, batch["completion_mask"], task.importance_sampling_level
+    )
+    per_token, clipped = grpo_loss.clipped_surrogate(weights, advantages, task.epsilon, task.epsilon_high)
+    kl = torch.zeros_like(per_token)
+    if task.beta > 0:
+        with torch.no_grad():
+            if reference is None:
+                with accelerator.unwrap_model(model).disable_adapter():
+                    reference_log_probs, _ = generation_round.completion_log_probs(model, batch)
+            else:
+                reference_log_probs, _ = generation_round.completion_log_probs(reference, batch)
+        kl = grpo_loss.kl_k3(log_probs, reference_log_probs)
+    return per_token + task.beta * kl, clipped, entropy, kl.detach()
+
+
+def train(task, args):
+    for flag in ("accumulation_schedule", "auto_micro_batch", "measure_noise_scale"):
+        if getattr(args, flag):
+            raise ConfigError(f"--{flag}: grpo sizes each update from its round of completions; drop the flag")
+    accelerator = run_setup.build_accelerator(task, args, "grpo", loss_weighted_by="tokens")
+    plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    round_size = task.generation_batch_size or plan.effective
+    if round_size % task.num_generations or round_size % plan.effective:
+        raise ConfigError(
+            f"--generation_batch_size {round_size} must be a multiple of --num_generations {task.num_generations} "
+            f"and of the effective batch {plan.effective}; use {plan.effective * task.num_generations}"
+        )
+    set_seed(args.seed)
+    with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
+        model, reference, tokenizer = build_model(task, args, accelerator)
+    splits = load_prompts(task, args, tokenizer)
+    functions = rewards.load_reward_functions(task.reward_funcs)
+    weights = rewards.reward_weights(task.reward_weights, len(functions))
+    prompts_per_round, updates_per_round = round_size // task.num_generations, round_size // plan.effective
+    rounds_per_epoch = len(splits["train"]) // prompts_per_round
+    if rounds_per_epoch == 0:
+        raise ConfigError(f"{len(splits['train'])} training prompts are fewer than one round's {prompts_per_round}")
+    run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
+    optimizer = run_setup.build_optimizer(model, args=args, learning_rate=args.scaled_learning_rate(plan.effective),
+                                          no_decay=("bias", "norm.weight"), loraplus_lr_ratio=task.loraplus_lr_ratio)  # fmt: skip
+    model, optimizer = accelerator.prepare(model, optimizer)
+    per_round = updates_per_round * task.num_iterations
+    batches_per_epoch = rounds_per_epoch * per_round * plan.accumulation
+    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=batches_per_epoch)
+    lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
+    round_line = f"{prompts_per_round} prompts × {task.num_generations} = {round_size} completions, {updates_per_round} update(s)"
+    banner_rows = {"round": round_line, "loss": f"{task.loss_type}, {task.importance_sampling_level}-level ratio",
+                   "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None)}  # fmt: skip
+    accelerator.print(run_setup.run_banner(accelerator, args, plan, schedule.windows, None, banner_rows, "completions",
+                                           model=model, optimizer=optimizer))  # fmt: skip
+
+    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    tracker = training_state.RunTracker(
+        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+    )
+    with tracker.paused():  # outside the training time, like every evaluation
+        initial_eval = evaluate(task, accelerator, model, tokenizer, splits["validation"], functions, weights)
+    accelerator.print(f"before training: eval_reward {initial_eval['eval_reward']:.3f}")
+    nominal = plan.micro * task.max_completion_length  # any constant works; this one keeps losses O(1)
+    eval_metrics, done, share = initial_eval, False, plan.micro * plan.accumulation
+    model.train()
+    while state.epoch < schedule.num_epochs and not done:
+        order = random.Random(args.seed * 1000 + state.epoch).sample(range(len(splits["train"])), len(splits["train"]))
+        for round_index in range(state.epoch_samples // (share * per_round), rounds_per_epoch):
+            indices = order[round_index * prompts_per_round : (round_index + 1) * prompts_per_round]
+            completions, scored, per_function, advantages, batches, old = sample_round(
+                task, accelerator, model, tokenizer, splits["train"], indices, functions, weights, micro=plan.micro,
+                seed=args.seed, round_index=state.epoch * rounds_per_epoch + round_index, reuse=per_round > 1,
+            )  # fmt: skip
+            for update in range(per_round):
+                start = (update % updates_per_round) * plan.effective  # the update: completions [start, start + E)
+                window, logs = AccumulationWindow(accelerator.device), torch.zeros(4, device=accelerator.device)
+                for micro in range(plan.accumulation):  # this process's share: `share` completions from its offset
+                    k = (start + accelerator.process_index * share) // plan.micro + micro
+                    rows, batch = slice(k * plan.micro, (k + 1) * plan.micro), batches[k]
+                    with accelerator.accumulate(model):
+                        per_token, clipped, entropy, kl = micro_batch_loss(
+                            task, accelerator, model, reference, batch, advantages[rows].to(accelerator.device),
+                            None if old is None else old[k],
+                        )  # fmt: skip
+                        mask = batch["completion_mask"]
+                        loss_sum, items = grpo_loss.loss_sums(
+                            task.loss_type, per_token, mask, task.max_completion_length
+                        )
+                        window.add(loss_sum=loss_sum, items=items, samples=len(mask), tokens=mask.sum())
+                        logs += torch.stack([(x * mask).sum() for x in (clipped.float(), entropy, kl, mask)])
+                        accelerator.backward(loss_sum / nominal)
+                        if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the update's items
+                            totals = window.finish(accelerator, model, plan, nominal, args.max_grad_norm, state)
+                        optimizer.step()
+                        lr_scheduler.step()
+                        optimizer.zero_grad()
+                rows = slice(start, start + plan.effective)
+                columns = update_columns(
+                    accelerator, scored[rows], per_function, rows, completions[rows], logs, functions
+                )
+                if tracker.end_update(totals, plan, lr_scheduler, batches_per_epoch, **columns):
+                    done = True
+                    break
+            if done:
+                break
+        with tracker.paused():
+            eval_metrics = evaluate(task, accelerator, model, tokenizer, splits["validation"], functions, weights)
+        accelerator.print(f"epoch {state.epoch}: eval_reward {eval_metrics['eval_reward']:.3f}")
+        state.next_epoch()
+    return tracker.finish(model, tokenizer=tokenizer, plan=plan, **eval_metrics,
+                          initial_eval_reward=initial_eval["eval_reward"])  # fmt: skip
+
+
+def update_columns(accelerator, scored, per_function, rows, completions, logs, functions) -> dict:
+    """metrics.jsonl's GRPO columns for one update: rewards, completion lengths, truncation, and the
+    token means of clipping, entropy and KL over the update's counted tokens on all processes."""
+    clipped, entropy, kl, tokens = accelerator.reduce(logs, reduction="sum").tolist()
+    lengths = [len(c.completion_ids) for c in completions]
+    columns = {
+        "reward": float(scored.mean()),
+        "reward_std": float(scored.std()) if len(scored) > 1 else 0.0,
+        "completion_length": sum(lengths) / len(lengths),
+        "completion_length_max": max(lengths),
+        "truncated_fraction": sum(c.truncated for c in completions) / len(completions),
+        "clip_fraction": clipped / max(tokens, 1),
+        "entropy": entropy / max(tokens, 1),
+        "kl": kl / max(tokens, 1),
+    }
+    for (name, _), scores in zip(functions, per_function):
+        columns[f"reward/{name.split(':')[-1]}"] = sum(scores[rows]) / len(scores[rows])
+    return columns
+
+
+def main(argv=None):
+    return run_main(
+        train, TaskArguments, argv, __doc__, output_dir="outputs/grpo", per_device_train_batch_size=8,
+        per_device_eval_batch_size=8, learning_rate=1e-5, weight_decay=0.0, num_train_epochs=1,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
