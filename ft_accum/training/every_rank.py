@@ -22,7 +22,8 @@ SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED)
 def generate(accelerator, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **generation_kwargs):
     """`generate()` of the prepared `model`, to be called on every rank with the same number of calls.
 
-    Under FSDP two things differ from a plain model:
+    Under FSDP three things differ from a plain model:
+    - the root's forward must come first (see below);
     - `generate()` calls the inner model's forward, not the prepared root's, so the parameters the
       root unit holds itself (a final norm under a peft wrapper) would stay sharded: the root is
       unsharded for the call (FSDP2's `FSDPModule.unshard`, one all-gather) and resharded after.
@@ -35,6 +36,12 @@ def generate(accelerator, model, input_ids: torch.Tensor, attention_mask: torch.
     sharded = accelerator.distributed_type in SHARDED and accelerator.num_processes > 1
     root = model if isinstance(model, FSDPModule) else None
     if root is not None:
+        # FSDP2 initialises itself at the first forward, which must be the root's: a run whose first model
+        # call is generate() (GRPO's round) would start it at the embedding ("requires running forward
+        # through the root module first"). One token through the root does it, and costs one token.
+        decoder = {"decoder_input_ids": input_ids[:1, :1]} if model.config.is_encoder_decoder else {}
+        with torch.no_grad():
+            model(input_ids=input_ids[:1, :1], attention_mask=attention_mask[:1, :1], use_cache=False, **decoder)
         root.unshard()
     try:
         return accelerator.unwrap_model(model).generate(
