@@ -24,9 +24,11 @@ def test_the_arithmetic_task_is_seeded_and_its_answers_are_right():
         assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
 
 
-def test_the_exact_answer_reward_reads_the_first_number():
-    completions = ["19", "The answer is 19.", "-3", "It is 1 9", "", [{"role": "assistant", "content": "19"}]]
-    assert exact_answer_reward(None, completions, answer=["19", "19", "-3", "19", "19", "19"]) == [1, 1, 1, 0, 0, 1]
+def test_the_exact_answer_reward_reads_the_last_number():
+    completions = ["19", "The answer is 19.", "-3", "It is 1 9", "", [{"role": "assistant", "content": "19"}],
+                   "12 + 7 = 19", "19 - 8 = 5"]  # fmt: skip
+    answers = ["19", "19", "-3", "19", "19", "19", "19", "11"]
+    assert exact_answer_reward(None, completions, answer=answers) == [1, 1, 1, 0, 0, 1, 1, 0]
 
 
 def test_reward_functions_load_from_the_working_directory(tmp_path, monkeypatch):

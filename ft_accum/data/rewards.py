@@ -42,16 +42,17 @@ def arithmetic_task(num_prompts: int, seed: int, max_operand: int = 20) -> datas
     return datasets.Dataset.from_list(rows)
 
 
-def first_number(text: str) -> str | None:
-    """The first integer in `text` (a leading minus kept), or None."""
-    match = re.search(r"-?\d+", text)
-    return match.group(0) if match else None
+def last_number(text: str) -> str | None:
+    """The last integer in `text` (a leading minus kept), or None: the answer of "36", "The answer is 36."
+    and "20 + 16 = 36" alike (SmolLM2-135M-Instruct mostly restates the sum before its answer)."""
+    numbers = re.findall(r"-?\d+", text)
+    return numbers[-1] if numbers else None
 
 
 def exact_answer_reward(prompts: Sequence, completions: Sequence, answer: Sequence[str], **columns) -> list[float]:
-    """1.0 where the completion's first number is the answer, else 0.0 (the verifiable reward of
+    """1.0 where the completion's last number is the answer, else 0.0 (the verifiable reward of
     DeepSeek-R1 style training, on the bundled arithmetic task)."""
-    return [float(first_number(text_of(c)) == str(a).strip()) for c, a in zip(completions, answer)]
+    return [float(last_number(text_of(c)) == str(a).strip()) for c, a in zip(completions, answer)]
 
 
 def text_of(completion) -> str:
