@@ -3,25 +3,21 @@ r"""accelerate launch --config_file accelerate_configs/cpu.yaml recipes/grpo.py 
 
 Online RL with verifiable rewards: GRPO, DAPO, Dr. GRPO and GSPO, with exact accumulation.
 
-Each round takes the next prompts, samples G completions of each (`--num_generations`), scores
-them with the reward functions, and turns the scores into group advantages (minus the group's
-mean, divided by its std unless --scale_rewards false, as Dr. GRPO has it). Then it runs the
-round's optimizer updates, each accumulated over micro-batches of completions. Every update is
-divided by its own count (completions, or completion tokens for --loss_type dapo) over all its
-micro-batches and processes, so it equals the update of one large batch whatever the split:
-ft_accum/core/grpo_loss.py gives the formulas and their sources. The completions do not depend on
-the split either: each prompt's are sampled alone, seeded by (seed, round, prompt).
+Each round samples G completions of each of its prompts, scores them with the reward functions
+and turns the scores into group advantages; then it runs the round's updates, each accumulated
+over micro-batches of completions and divided by its own count (completions, or completion tokens
+for dapo) over all micro-batches and processes: the update of one large batch, whatever the split
+(ft_accum/core/grpo_loss.py has the formulas and sources). The completions do not depend on the
+split either: each prompt's are sampled alone, seeded by (seed, round, prompt).
 
-With no flags it LoRA-tunes SmolLM2-135M-Instruct (bundled, offline) on arithmetic prompts the
-project generates, rewarded 1 for the right number (ft_accum/data/rewards.py), and reports the
-held-out reward of greedy answers before and after.
+With no flags it LoRA-tunes the bundled SmolLM2-135M-Instruct on generated arithmetic prompts,
+rewarded 1 for the right number, and reports the held-out reward of greedy answers before and after.
 
 The settings that matter (TRL's names and meanings):
 - --per_device_train_batch_size counts completions; --effective_batch_size is completions per update.
-- --num_generations (G ≥ 2), --max_completion_length, --temperature, --top_p.
-- --generation_batch_size: completions per round (a multiple of G and of the effective batch;
-  default: one update per round). --num_iterations > 1 reuses a round, clipping the ratio to the
-  round's policy at --epsilon (and --epsilon_high, DAPO's clip-higher).
+- --num_generations (G ≥ 2), --max_completion_length, --temperature, --top_p; --generation_batch_size:
+  completions per round (default: one update's). --num_iterations > 1 reuses a round, clipping the
+  ratio to the round's policy at --epsilon (and --epsilon_high, DAPO's clip-higher).
 - --loss_type grpo, dapo or dr_grpo; --importance_sampling_level sequence is GSPO.
 - --beta > 0 adds the KL to the reference: the base with the adapter off (LoRA), else a frozen copy.
 - --reward_funcs module:function[,module:function] and --reward_weights: your own rewards.
@@ -99,9 +95,18 @@ class TaskArguments(LoraArguments):
             raise ConfigError(
                 f"--importance_sampling_level must be token or sequence, got {self.importance_sampling_level!r}"
             )
-        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.num_iterations < 1 or self.beta < 0:
-            raise ConfigError("--temperature must be > 0, --top_p in (0, 1], --num_iterations ≥ 1 and --beta ≥ 0")
         self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        rules = {
+            "temperature": (self.temperature > 0, "> 0"),
+            "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
+            "num_iterations": (self.num_iterations >= 1, "≥ 1"),
+            "beta": (self.beta >= 0, "≥ 0"),
+            "epsilon": (0 <= self.epsilon < 1, "in [0, 1)"),
+            "epsilon_high": (self.epsilon_high >= 0, "≥ 0"),
+        }
+        for name, (ok, rule) in rules.items():
+            if not ok:
+                raise ConfigError(f"--{name} must be {rule}, got {getattr(self, name)}")
 
 
 def build_model(task, args, accelerator):
