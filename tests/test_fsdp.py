@@ -38,6 +38,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
+from ft_accum.data.rewards import arithmetic_task
 from ft_accum.testing import (
     make_conversations,
     make_preference_pairs,
@@ -154,6 +155,16 @@ def other_recipe_runs(root: Path, tiny_model_dir: Path, chat_model: Path) -> dic
         preference_args(chat_model, pairs, root / "dpo" / "one", "dpo", True, 8, 1),
         preference_args(chat_model, pairs, root / "dpo" / "fsdp", "dpo", True, 2, 2),
     )
+    # GRPO with LoRA: the round generated on every rank under FSDP, completions that stop early or run to the limit.
+    eos_lm = make_tiny_chat_lm(root / "eos-lm", eos_scale=60)
+    prompts = {"train": write_jsonl(root / "grpo-train.jsonl", arithmetic_task(16, seed=1).to_list()),
+               "validation": write_jsonl(root / "grpo-val.jsonl", arithmetic_task(3, seed=2).to_list())}  # fmt: skip
+    grpo = {"reward_funcs": "ft_accum.testing:varied_reward", "num_generations": 4, "max_completion_length": 8,
+            "max_train_steps": 3, "use_lora": True, "learning_rate": 0.5, "effective_batch_size": 8}  # fmt: skip
+    runs["grpo"] = tuple(
+        ["grpo"] + [recipe_args(eos_lm, prompts, root / "grpo" / name, **{**SGD, **grpo, "per_device_train_batch_size": micro})
+                    for name, micro in (("one", 8), ("fsdp", 2))]
+    )  # fmt: skip
     return runs
 
 
@@ -221,12 +232,21 @@ def test_instruction_tuning_lora_under_fsdp_matches_one_process(fsdp_runs):
 
 @pytest.mark.parametrize(
     "recipe",
-    ["text_classification", "token_classification", "sentence_pair_regression", "seq2seq", "preference_tuning"],
+    [
+        "text_classification",
+        "token_classification",
+        "sentence_pair_regression",
+        "seq2seq",
+        "preference_tuning",
+        "grpo",
+    ],
 )
 def test_every_other_recipe_under_fsdp_matches_one_process(fsdp_runs, recipe):
     fsdp, one = fsdp_runs[2][recipe]
     assert [m["samples_seen"] for m in read_metrics(fsdp)] == [m["samples_seen"] for m in read_metrics(one)]
-    assert read_metrics(fsdp)[-1]["samples_seen"] in (41, 13)  # the short last window counted exactly
+    # Every row once, the short last window counted exactly (41 rows, 13 pairs; GRPO: 3 updates of 8 completions).
+    assert read_metrics(fsdp)[-1]["samples_seen"] in (41, 13, 24)
+    assert any(m["grad_norm"] > 0 for m in read_metrics(fsdp))
     assert_same_run(fsdp, one)
 
 
