@@ -121,7 +121,8 @@ def other_recipe_runs(root: Path, tiny_model_dir: Path, chat_model: Path) -> dic
     FSDP serves besides the two above, each on a tiny model of its kind and 41 rows (13 pairs) that
     leave the last window short and uneven across the processes: BERT classifiers (sequence, tokens,
     a sentence pair's score), a T5 (its embedding shared by both stacks and the output layer:
-    run_setup.fit_fsdp_units) and DPO with LoRA (the reference is the policy with its adapters off)."""
+    run_setup.fit_fsdp_units), DPO with LoRA (the reference is the policy with its adapters off) and
+    GRPO with LoRA (16 prompts: 3 rounds, sampled on every rank)."""
 
     def files(name, rows):
         return {split: write_jsonl(root / f"{name}-{split}.jsonl", rows(n, seed=i))
