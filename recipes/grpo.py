@@ -85,7 +85,8 @@ class TaskArguments(LoraArguments):
         super().__post_init__()
         if self.num_generations < 2:
             raise ConfigError(
-                f"--num_generations {self.num_generations}: a group advantage needs ≥ 2 completions per prompt; use 4 or more"
+                f"--num_generations {self.num_generations}: a group advantage needs ≥ 2 completions per prompt; "
+                "use 4 or more"
             )
         if self.max_completion_length < 1:
             raise ConfigError(f"--max_completion_length must be ≥ 1, got {self.max_completion_length}")
@@ -150,14 +151,6 @@ def load_prompts(task, args, tokenizer) -> dict[str, list[dict]]:
     return splits
 
 
-def reward_of(task, functions, weights, rows, completions, texts) -> tuple[torch.Tensor, list[list[float]]]:
-    """The weighted reward of each completion, and each function's scores."""
-    columns = {k: [rows[c.prompt_index][k] for c in completions] for k in rows[0] if k not in ("prompt_ids",)}
-    prompts = columns.pop(task.prompt_column)
-    scores = rewards.score(functions, prompts, texts, columns)
-    return torch.tensor([sum(w * s[i] for w, s in zip(weights, scores)) for i in range(len(texts))]), scores
-
-
 @torch.no_grad()
 def evaluate(task, accelerator, model, tokenizer, rows, functions, weights) -> dict:
     """The mean reward of greedy answers to the held-out prompts, on all processes together."""
@@ -169,50 +162,60 @@ def evaluate(task, accelerator, model, tokenizer, rows, functions, weights) -> d
         prompts = [generation_round.Completion(i, 0, rows[i]["prompt_ids"], [], False) for i in chunk]
         batch = generation_round.completion_batch(prompts, tokenizer.pad_token_id, accelerator.device)
         generated = every_rank.generate(
-            accelerator, model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False,
-            max_new_tokens=task.max_completion_length, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
+            accelerator,
+            model,
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            do_sample=False,
+            max_new_tokens=task.max_completion_length,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         texts = tokenizer.batch_decode(generated[:real, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-        scored, _ = reward_of(task, functions, weights, rows, prompts[:real], texts)
-        total += torch.tensor([float(scored.sum()), real], device=accelerator.device, dtype=torch.float64)
+        scored, _ = rewards.weighted_rewards(functions, weights, rows, chunk[:real], texts, task.prompt_column)
+        total += torch.tensor([sum(scored), real], device=accelerator.device, dtype=torch.float64)
     model.train()
     reward_sum, count = accelerator.reduce(total, reduction="sum").tolist()
     return {"eval_reward": reward_sum / max(count, 1)}
 
 
 def sample_round(
-    task, accelerator, model, tokenizer, rows, indices, functions, weights, *, micro, seed, round_index, reuse
+    task, accelerator, model, tokenizer, rows, indices, functions, weights, sampling, layout, *, seed, round_index
 ):
-    """A round: its completions of the prompts `rows[indices]`, their rewards (weighted, and per
-    function), group advantages, micro-batches of `micro` completions, and, when the round is used
-    for more than one update (`reuse`), the log-probs of the policy that sampled it."""
+    """A round: the completions of the prompts `rows[indices]`, their rewards (weighted, and per
+    function), and this process's micro-batches ({k: batch}, `layout.own`), each with its group
+    advantages and, when the round makes more than one update, the log-probs of the policy that
+    sampled it (without them the update is on-policy: the ratio is 1)."""
+    prompt_ids = [rows[i]["prompt_ids"] for i in indices]
     completions = generation_round.generate_round(
-        accelerator, model, [rows[i]["prompt_ids"] for i in indices], indices, seed=seed, round_index=round_index,
-        num_generations=task.num_generations, max_completion_length=task.max_completion_length,
-        temperature=task.temperature, top_p=task.top_p, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        accelerator, model, prompt_ids, indices, sampling, seed=seed, round_index=round_index
+    )
     texts = tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
-    scored, per_function = reward_of(task, functions, weights, rows, completions, texts)
+    prompt_indices = [c.prompt_index for c in completions]
+    scored, per_function = rewards.weighted_rewards(
+        functions, weights, rows, prompt_indices, texts, task.prompt_column
+    )
+    scored = torch.tensor(scored)
     advantages = grpo_loss.group_advantages(scored, task.num_generations, task.scale_rewards)
-    batches = [generation_round.completion_batch(completions[start : start + micro], tokenizer.pad_token_id,
-                                                 accelerator.device, task.mask_truncated_completions)
-               for start in range(0, len(completions), micro)]  # fmt: skip
-    old = None  # on-policy: the ratio is 1, its gradient the policy gradient's
-    if reuse:  # the round's policy, for the clipped ratio of its later updates
-        with torch.no_grad():
-            old = [generation_round.completion_log_probs(model, batch)[0] for batch in batches]
-    return completions, scored, per_function, advantages, batches, old
+    batches = generation_round.micro_batches(
+        completions, layout, sampling.pad_token_id, accelerator.device, task.mask_truncated_completions
+    )
+    for k, batch in batches.items():
+        batch["advantages"] = advantages[k * layout.micro : (k + 1) * layout.micro].to(accelerator.device)
+        if layout.passes > 1:  # the same number of forwards on every process: FSDP gathers in each
+            with torch.no_grad():
+                batch["old_log_probs"] = generation_round.completion_log_probs(model, batch)[0]
+    return completions, scored, per_function, batches
 
 
-def micro_batch_loss(task, accelerator, model, reference, batch, advantages, old_log_probs):
+def micro_batch_loss(task, accelerator, model, reference, batch):
     """The micro-batch's per-token loss [B, C], and its clipped tokens, entropy and KL (for the logs)."""
     log_probs, entropy = generation_round.completion_log_probs(model, batch)
-    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    old = batch.get("old_log_probs", log_probs.detach())  # on-policy by default: the ratio is 1
     weights = grpo_loss.log_importance_weights(
         log_probs, old, batch["completion_mask"], task.importance_sampling_level
     )
-    per_token, clipped = grpo_loss.clipped_surrogate(weights, advantages, task.epsilon, task.epsilon_high)
+    per_token, clipped = grpo_loss.clipped_surrogate(weights, batch["advantages"], task.epsilon, task.epsilon_high)
     kl = torch.zeros_like(per_token)
     if task.beta > 0:
         with torch.no_grad():
@@ -231,35 +234,36 @@ def train(task, args):
             raise ConfigError(f"--{flag}: grpo sizes each update from its round of completions; drop the flag")
     accelerator = run_setup.build_accelerator(task, args, "grpo", loss_weighted_by="tokens")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
-    round_size = task.generation_batch_size or plan.effective
-    if round_size % task.num_generations or round_size % plan.effective:
-        raise ConfigError(
-            f"--generation_batch_size {round_size} must be a multiple of --num_generations {task.num_generations} "
-            f"and of the effective batch {plan.effective}; use {plan.effective * task.num_generations}"
-        )
     set_seed(args.seed)
     with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
         model, reference, tokenizer = build_model(task, args, accelerator)
     splits = load_prompts(task, args, tokenizer)
     functions = rewards.load_reward_functions(task.reward_funcs)
     weights = rewards.reward_weights(task.reward_weights, len(functions))
-    prompts_per_round, updates_per_round = round_size // task.num_generations, round_size // plan.effective
-    rounds_per_epoch = len(splits["train"]) // prompts_per_round
-    if rounds_per_epoch == 0:
-        raise ConfigError(f"{len(splits['train'])} training prompts are fewer than one round's {prompts_per_round}")
+    layout = generation_round.round_layout(plan, task.generation_batch_size, task.num_generations, task.num_iterations,
+                                           len(splits["train"]), accelerator.process_index)  # fmt: skip
     run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
-    optimizer = run_setup.build_optimizer(model, args=args, learning_rate=args.scaled_learning_rate(plan.effective),
-                                          no_decay=("bias", "norm.weight"), loraplus_lr_ratio=task.loraplus_lr_ratio)  # fmt: skip
+    optimizer = run_setup.build_optimizer(
+        model,
+        args=args,
+        learning_rate=args.scaled_learning_rate(plan.effective),
+        no_decay=("bias", "norm.weight"),
+        loraplus_lr_ratio=task.loraplus_lr_ratio,
+    )
     model, optimizer = accelerator.prepare(model, optimizer)
-    per_round = updates_per_round * task.num_iterations
-    batches_per_epoch = rounds_per_epoch * per_round * plan.accumulation
+    batches_per_epoch = layout.rounds_per_epoch * layout.passes * plan.accumulation
     schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=batches_per_epoch)
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
-    round_line = f"{prompts_per_round} prompts × {task.num_generations} = {round_size} completions, {updates_per_round} update(s)"
-    banner_rows = {"round": round_line, "loss": f"{task.loss_type}, {task.importance_sampling_level}-level ratio",
-                   "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None)}  # fmt: skip
-    accelerator.print(run_setup.run_banner(accelerator, args, plan, schedule.windows, None, banner_rows, "completions",
-                                           model=model, optimizer=optimizer))  # fmt: skip
+    banner_rows = {
+        "round": f"{layout.prompts} prompts × {task.num_generations} = {layout.completions} completions, "
+        f"{layout.updates} update(s)",
+        "loss": f"{task.loss_type}, {task.importance_sampling_level}-level ratio",
+        "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None),
+    }
+    banner = run_setup.run_banner(
+        accelerator, args, plan, schedule.windows, None, banner_rows, "completions", model=model, optimizer=optimizer
+    )
+    accelerator.print(banner)
 
     state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
     tracker = training_state.RunTracker(
@@ -269,27 +273,28 @@ def train(task, args):
         initial_eval = evaluate(task, accelerator, model, tokenizer, splits["validation"], functions, weights)
     accelerator.print(f"before training: eval_reward {initial_eval['eval_reward']:.3f}")
     nominal = plan.micro * task.max_completion_length  # any constant works; this one keeps losses O(1)
-    eval_metrics, done, share = initial_eval, False, plan.micro * plan.accumulation
+    sampling = generation_round.Sampling(task.num_generations, task.max_completion_length, task.temperature,
+                                         task.top_p, tokenizer.eos_token_id, tokenizer.pad_token_id)  # fmt: skip
+    eval_metrics, done = initial_eval, False
     model.train()
     while state.epoch < schedule.num_epochs and not done:
         order = random.Random(args.seed * 1000 + state.epoch).sample(range(len(splits["train"])), len(splits["train"]))
-        for round_index in range(state.epoch_samples // (share * per_round), rounds_per_epoch):
-            indices = order[round_index * prompts_per_round : (round_index + 1) * prompts_per_round]
-            completions, scored, per_function, advantages, batches, old = sample_round(
-                task, accelerator, model, tokenizer, splits["train"], indices, functions, weights, micro=plan.micro,
-                seed=args.seed, round_index=state.epoch * rounds_per_epoch + round_index, reuse=per_round > 1,
+        first_round = state.epoch_samples // (
+            layout.passes * layout.micro * plan.accumulation
+        )  # where a resume re-enters
+        for round_index in range(first_round, layout.rounds_per_epoch):
+            indices = order[round_index * layout.prompts : (round_index + 1) * layout.prompts]
+            completions, scored, per_function, batches = sample_round(
+                task, accelerator, model, tokenizer, splits["train"], indices, functions, weights, sampling, layout,
+                seed=args.seed, round_index=state.epoch * layout.rounds_per_epoch + round_index,
             )  # fmt: skip
-            for update in range(per_round):
-                start = (update % updates_per_round) * plan.effective  # the update: completions [start, start + E)
+            for update in range(layout.passes):
+                u = update % layout.updates  # the update trains on completions [u·E, (u+1)·E)
                 window, logs = AccumulationWindow(accelerator.device), torch.zeros(4, device=accelerator.device)
-                for micro in range(plan.accumulation):  # this process's share: `share` completions from its offset
-                    k = (start + accelerator.process_index * share) // plan.micro + micro
-                    rows, batch = slice(k * plan.micro, (k + 1) * plan.micro), batches[k]
+                for k in layout.own[u]:  # this process's micro-batches of that update
+                    batch = batches[k]
                     with accelerator.accumulate(model):
-                        per_token, clipped, entropy, kl = micro_batch_loss(
-                            task, accelerator, model, reference, batch, advantages[rows].to(accelerator.device),
-                            None if old is None else old[k],
-                        )  # fmt: skip
+                        per_token, clipped, entropy, kl = micro_batch_loss(task, accelerator, model, reference, batch)
                         mask = batch["completion_mask"]
                         loss_sum, items = grpo_loss.loss_sums(
                             task.loss_type, per_token, mask, task.max_completion_length
@@ -302,9 +307,9 @@ def train(task, args):
                         optimizer.step()
                         lr_scheduler.step()
                         optimizer.zero_grad()
-                rows = slice(start, start + plan.effective)
-                columns = update_columns(
-                    accelerator, scored[rows], per_function, rows, completions[rows], logs, functions
+                rows = slice(u * plan.effective, (u + 1) * plan.effective)
+                columns = generation_round.update_metrics(
+                    accelerator, scored, per_function, rows, completions, logs, functions
                 )
                 if tracker.end_update(totals, plan, lr_scheduler, batches_per_epoch, **columns):
                     done = True
@@ -315,35 +320,24 @@ def train(task, args):
             eval_metrics = evaluate(task, accelerator, model, tokenizer, splits["validation"], functions, weights)
         accelerator.print(f"epoch {state.epoch}: eval_reward {eval_metrics['eval_reward']:.3f}")
         state.next_epoch()
-    return tracker.finish(model, tokenizer=tokenizer, plan=plan, **eval_metrics,
-                          initial_eval_reward=initial_eval["eval_reward"])  # fmt: skip
-
-
-def update_columns(accelerator, scored, per_function, rows, completions, logs, functions) -> dict:
-    """metrics.jsonl's GRPO columns for one update: rewards, completion lengths, truncation, and the
-    token means of clipping, entropy and KL over the update's counted tokens on all processes."""
-    clipped, entropy, kl, tokens = accelerator.reduce(logs, reduction="sum").tolist()
-    lengths = [len(c.completion_ids) for c in completions]
-    columns = {
-        "reward": float(scored.mean()),
-        "reward_std": float(scored.std()) if len(scored) > 1 else 0.0,
-        "completion_length": sum(lengths) / len(lengths),
-        "completion_length_max": max(lengths),
-        "truncated_fraction": sum(c.truncated for c in completions) / len(completions),
-        "clip_fraction": clipped / max(tokens, 1),
-        "entropy": entropy / max(tokens, 1),
-        "kl": kl / max(tokens, 1),
-    }
-    for (name, _), scores in zip(functions, per_function):
-        columns[f"reward/{name.split(':')[-1]}"] = sum(scores[rows]) / len(scores[rows])
-    return columns
+    return tracker.finish(
+        model, tokenizer=tokenizer, plan=plan, **eval_metrics, initial_eval_reward=initial_eval["eval_reward"]
+    )
 
 
 def main(argv=None):
     return run_main(
-        train, TaskArguments, argv, __doc__, output_dir="outputs/grpo", per_device_train_batch_size=8,
-        per_device_eval_batch_size=8, learning_rate=1e-5, weight_decay=0.0, num_train_epochs=1,
-    )  # fmt: skip
+        train,
+        TaskArguments,
+        argv,
+        __doc__,
+        output_dir="outputs/grpo",
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        learning_rate=1e-5,
+        weight_decay=0.0,
+        num_train_epochs=1,
+    )
 
 
 if __name__ == "__main__":

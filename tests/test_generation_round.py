@@ -8,7 +8,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ft_accum.data.chat_data import render_ids
-from ft_accum.training.generation_round import generate_round
+from ft_accum.training.generation_round import Sampling, generate_round, round_layout
 from ft_accum.training.run_setup import reset_accelerate_state
 
 
@@ -25,11 +25,10 @@ def setup(chat_lm_dir):
 
 
 def round_of(accelerator, model, tokenizer, prompts, indices, eos=None, length=6):
-    return generate_round(
-        accelerator, model, [prompts[i] for i in indices], indices, seed=3, round_index=1, num_generations=4,
-        max_completion_length=length, temperature=1.0, top_p=1.0,
-        eos_token_id=tokenizer.eos_token_id if eos is None else eos, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    eos = tokenizer.eos_token_id if eos is None else eos
+    sampling = Sampling(num_generations=4, max_completion_length=length, temperature=1.0, top_p=1.0,
+                        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    return generate_round(accelerator, model, [prompts[i] for i in indices], indices, sampling, seed=3, round_index=1)
 
 
 def by_prompt(completions):
@@ -60,3 +59,22 @@ def test_a_completion_ends_at_its_eos_and_the_training_rng_is_untouched(setup):
     stop = first.index(eos)
     assert ended.completion_ids == first[: stop + 1] and not ended.truncated
     assert model.training  # put back in training mode
+
+
+@pytest.mark.parametrize(
+    "processes, micro, accumulation, updates", [(1, 8, 1, 1), (1, 2, 4, 2), (2, 2, 2, 3), (4, 1, 2, 2)]
+)
+def test_each_micro_batch_of_a_round_is_one_processs_in_one_update(processes, micro, accumulation, updates):
+    """RoundLayout.own: over the processes, update u's micro-batches are exactly those of completions
+    [u·E, (u+1)·E)."""
+    from ft_accum.core.batch_arithmetic import BatchPlan
+
+    plan = BatchPlan(micro=micro, accumulation=accumulation, processes=processes)
+    layouts = [round_layout(plan, plan.effective * updates, 2, 1, 100, p) for p in range(processes)]
+    for u in range(updates):
+        ks = sorted(k for layout in layouts for k in layout.own[u])
+        assert ks == list(range(u * plan.effective // micro, (u + 1) * plan.effective // micro))
+    assert (
+        layouts[0].prompts == plan.effective * updates // 2
+        and layouts[0].rounds_per_epoch == 100 // layouts[0].prompts
+    )

@@ -12,6 +12,7 @@ from ft_accum.data.rewards import (
     load_reward_functions,
     reward_weights,
     score,
+    weighted_rewards,
 )
 
 
@@ -77,3 +78,20 @@ def test_reward_weights_are_one_per_function():
         reward_weights("1,0.5", 3)
     with pytest.raises(ConfigError, match="must be numbers"):
         reward_weights("1,x", 2)
+
+
+def test_weighted_rewards_give_each_function_the_prompt_and_the_other_columns():
+    rows = [
+        {"prompt": "What is 1 + 1?", "answer": "2", "prompt_ids": [1, 2]},
+        {"prompt": "p", "answer": "3", "prompt_ids": [3]},
+    ]
+    seen = {}
+
+    def columns_of(prompts, completions, **columns):
+        seen.update(prompts=prompts, **columns)
+        return [0.5] * len(completions)
+
+    functions = [("exact", exact_answer_reward), ("half", columns_of)]
+    totals, scores = weighted_rewards(functions, [1.0, 2.0], rows, [0, 0, 1], ["2", "5", "3"], "prompt")
+    assert scores == [[1.0, 0.0, 1.0], [0.5, 0.5, 0.5]] and totals == [2.0, 1.0, 2.0]
+    assert seen == {"prompts": ["What is 1 + 1?", "What is 1 + 1?", "p"], "answer": ["2", "2", "3"]}  # no prompt_ids

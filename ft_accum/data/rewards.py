@@ -122,7 +122,8 @@ def score(
         values = list(values) if values is not None else []
         if len(values) != len(completions):
             raise ConfigError(
-                f"reward function {name} returned {len(values)} rewards for {len(completions)} completions; return one each"
+                f"reward function {name} returned {len(values)} rewards for {len(completions)} completions; "
+                "return one each"
             )
         for row, value in enumerate(values):
             if value is None or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -132,6 +133,23 @@ def score(
                 )
         scores.append([float(v) for v in values])
     return scores
+
+
+def weighted_rewards(
+    functions: list[tuple[str, RewardFunction]],
+    weights: list[float],
+    rows: list[dict],
+    prompt_indices: list[int],
+    texts: list[str],
+    prompt_column: str,
+) -> tuple[list[float], list[list[float]]]:
+    """Each completion's reward Σ_f w_f · r_f, and each function's scores ([function][completion]).
+    Completion i answers `rows[prompt_indices[i]]`, whose prompt and other columns the functions get
+    (`prompt_ids`, the tokenized prompt, is not one of them)."""
+    columns = {key: [rows[i][key] for i in prompt_indices] for key in rows[0] if key != "prompt_ids"}
+    prompts = columns.pop(prompt_column)
+    scores = score(functions, prompts, texts, columns)
+    return [sum(w * s[i] for w, s in zip(weights, scores)) for i in range(len(texts))], scores
 
 
 def first_failing_row(function: RewardFunction, prompts: Sequence, completions: Sequence, columns: dict) -> int | None:

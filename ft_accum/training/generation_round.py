@@ -18,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import gather_object
 
+from ft_accum.core.errors import ConfigError
 from ft_accum.training import every_rank
 
 
@@ -33,6 +35,18 @@ class Completion:
     truncated: bool
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a round samples: G completions per prompt, each at most `max_completion_length` tokens."""
+
+    num_generations: int
+    max_completion_length: int
+    temperature: float
+    top_p: float
+    eos_token_id: int
+    pad_token_id: int
+
+
 def round_seed(seed: int, round_index: int, prompt_index: int) -> int:
     """The seed of one prompt's completions in one round: distinct for every (round, prompt), fixed by `seed`."""
     return (seed * 1_000_003 + round_index * 10_007 + prompt_index) % (2**63 - 1)
@@ -40,20 +54,10 @@ def round_seed(seed: int, round_index: int, prompt_index: int) -> int:
 
 @torch.no_grad()
 def sample_prompt(
-    accelerator,
-    model,
-    prompt_ids: list[int],
-    *,
-    seed: int,
-    num_generations: int,
-    max_completion_length: int,
-    temperature: float,
-    top_p: float,
-    eos_token_id: int,
-    pad_token_id: int,
+    accelerator, model, prompt_ids: list[int], sampling: Sampling, seed: int
 ) -> list[tuple[list[int], bool]]:
     """G completions of one prompt, as (token ids up to and including the EOS, truncated)."""
-    input_ids = torch.tensor([prompt_ids] * num_generations, device=accelerator.device)
+    input_ids = torch.tensor([prompt_ids] * sampling.num_generations, device=accelerator.device)
     with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
         torch.manual_seed(seed)
         generated = every_rank.generate(
@@ -62,17 +66,17 @@ def sample_prompt(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
             do_sample=True,
-            temperature=temperature,
-            top_p=top_p,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
             top_k=0,
-            max_new_tokens=max_completion_length,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
+            max_new_tokens=sampling.max_completion_length,
+            eos_token_id=sampling.eos_token_id,
+            pad_token_id=sampling.pad_token_id,
         )
     completions = []
     for row in generated[:, len(prompt_ids) :].tolist():
-        ends = [i for i, token in enumerate(row) if token == eos_token_id]
-        kept = row[: ends[0] + 1] if ends else row[:max_completion_length]
+        ends = [i for i, token in enumerate(row) if token == sampling.eos_token_id]
+        kept = row[: ends[0] + 1] if ends else row[: sampling.max_completion_length]
         completions.append((kept, not ends))
     return completions
 
@@ -82,45 +86,31 @@ def generate_round(
     model,
     prompt_ids: list[list[int]],
     prompt_indices: list[int],
+    sampling: Sampling,
     *,
     seed: int,
     round_index: int,
-    num_generations: int,
-    max_completion_length: int,
-    temperature: float,
-    top_p: float,
-    eos_token_id: int,
-    pad_token_id: int,
 ) -> list[Completion]:
     """The round's completions, prompt by prompt in order, G each, identical on every process."""
     was_training = model.training
     model.eval()  # no dropout in sampling: the completions are the policy's, not a dropout mask's
     mine = []
-    shares = every_rank.rank_batches(
-        list(range(len(prompt_ids))), accelerator.process_index, accelerator.num_processes, 1
-    )
-    for (position,), real in shares:
+    positions = list(range(len(prompt_ids)))
+    for (position,), real in every_rank.rank_batches(
+        positions, accelerator.process_index, accelerator.num_processes, 1
+    ):
+        index = prompt_indices[position]
         samples = sample_prompt(
-            accelerator, model, prompt_ids[position], seed=round_seed(seed, round_index, prompt_indices[position]),
-            num_generations=num_generations, max_completion_length=max_completion_length, temperature=temperature,
-            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        )  # fmt: skip
+            accelerator, model, prompt_ids[position], sampling, round_seed(seed, round_index, index)
+        )
         if real:
-            mine += [Completion(prompt_indices[position], g, prompt_ids[position], ids, truncated)
-                     for g, (ids, truncated) in enumerate(samples)]  # fmt: skip
+            mine += [
+                Completion(index, g, prompt_ids[position], ids, truncated)
+                for g, (ids, truncated) in enumerate(samples)
+            ]
     model.train(was_training)
-    everyone = accelerate_gather(accelerator, mine)
     order = {index: i for i, index in enumerate(prompt_indices)}
-    return sorted(everyone, key=lambda c: (order[c.prompt_index], c.generation))
-
-
-def accelerate_gather(accelerator, items: list) -> list:
-    """Every process's `items`, concatenated, on every process (Accelerate's gather_object)."""
-    if accelerator.num_processes == 1:
-        return items
-    from accelerate.utils import gather_object
-
-    return gather_object(items)
+    return sorted(gather_object(mine), key=lambda c: (order[c.prompt_index], c.generation))
 
 
 def completion_batch(completions: list[Completion], pad_token_id: int, device, mask_truncated: bool = False) -> dict:
@@ -148,6 +138,66 @@ def completion_batch(completions: list[Completion], pad_token_id: int, device, m
     }
 
 
+@dataclass(frozen=True)
+class RoundLayout:
+    """How a round is cut. It holds `completions` = prompts × G (all processes), for `updates`
+    updates of E = micro × accumulation × processes completions each, each pass of
+    `iterations`; update u trains on completions [u·E, (u+1)·E), of which process p takes
+    micro × accumulation from offset p · micro · accumulation: micro-batches
+    k = (u·E + p·micro·accumulation) / micro + m, m < accumulation (`own[u]`)."""
+
+    completions: int
+    prompts: int
+    updates: int
+    iterations: int
+    rounds_per_epoch: int
+    micro: int
+    own: list[list[int]]
+
+    @property
+    def passes(self) -> int:
+        """Updates made from one round."""
+        return self.updates * self.iterations
+
+
+def round_layout(
+    plan,
+    generation_batch_size: int | None,
+    num_generations: int,
+    num_iterations: int,
+    num_prompts: int,
+    process_index: int,
+) -> RoundLayout:
+    """The RoundLayout of `generation_batch_size` completions a round (default: one update's), or a
+    ConfigError that names the fix."""
+    completions = generation_batch_size or plan.effective
+    if completions % num_generations or completions % plan.effective:
+        raise ConfigError(
+            f"--generation_batch_size {completions} must be a multiple of --num_generations {num_generations} "
+            f"and of the effective batch {plan.effective}; use {plan.effective * num_generations}"
+        )
+    prompts, updates = completions // num_generations, completions // plan.effective
+    if num_prompts < prompts:
+        raise ConfigError(f"{num_prompts} training prompts are fewer than one round's {prompts}")
+    share = plan.micro * plan.accumulation
+    own = [[(u * plan.effective + process_index * share) // plan.micro + m for m in range(plan.accumulation)]
+           for u in range(updates)]  # fmt: skip
+    return RoundLayout(completions, prompts, updates, num_iterations, num_prompts // prompts, plan.micro, own)
+
+
+def micro_batches(
+    completions: list[Completion], layout: RoundLayout, pad_token_id: int, device, mask_truncated: bool = False
+) -> dict[int, dict]:
+    """{k: `completion_batch` of completions [k·micro, (k+1)·micro)} for this process's micro-batches
+    (`layout.own`): a process builds only the ones it trains on."""
+    micro = layout.micro
+    return {
+        k: completion_batch(completions[k * micro : (k + 1) * micro], pad_token_id, device, mask_truncated)
+        for update in layout.own
+        for k in update
+    }
+
+
 def completion_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Each completion token's log-probability [B, C], and the policy's entropy there (detached).
     Only the completion's logits are built (`logits_to_keep`): never the prompt's [B, P, V]."""
@@ -163,3 +213,26 @@ def completion_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor
     token_log_probs = log_probs.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1).detach()
     return token_log_probs, entropy
+
+
+def update_metrics(accelerator, rewards, scores, rows: slice, completions, logs, functions) -> dict:
+    """metrics.jsonl's GRPO columns for the update that trained on the round's completions `rows`:
+    their rewards (weighted, and each function's), lengths and truncation, and the token means of
+    clipping, entropy and KL, `logs` = [clipped, entropy, KL, counted tokens] summed on this process,
+    over all processes."""
+    clipped, entropy, kl, tokens = accelerator.reduce(logs, reduction="sum").tolist()
+    update, mine = rewards[rows], completions[rows]
+    lengths = [len(c.completion_ids) for c in mine]
+    columns = {
+        "reward": float(update.mean()),
+        "reward_std": float(update.std()) if len(update) > 1 else 0.0,
+        "completion_length": sum(lengths) / len(lengths),
+        "completion_length_max": max(lengths),
+        "truncated_fraction": sum(c.truncated for c in mine) / len(mine),
+        "clip_fraction": clipped / max(tokens, 1),
+        "entropy": entropy / max(tokens, 1),
+        "kl": kl / max(tokens, 1),
+    }
+    for (name, _), function_scores in zip(functions, scores):
+        columns[f"reward/{name.split(':')[-1]}"] = sum(function_scores[rows]) / len(function_scores[rows])
+    return columns
