@@ -66,9 +66,12 @@ def shipped_defaults(request, tmp_path_factory, chat_lm_dir):
         runs.append((recipe.stem, [*args, *SIZES, f"--output_dir={outputs[recipe.stem]}"]))
     exits = root / "exits.json"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(root / "accelerate.yaml"),
-           "--num_processes", "2", "--main_process_port", str(free_port()), *runs_script(runs, root, exits)]  # fmt: skip
+           "--num_processes", "2", "--main_process_port", str(free_port()),
+           *runs_script(runs, root, exits)]  # fmt: skip
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(FAULT_HOOKS),
-           "FT_ACCUM_TEST_NUM_LAYERS": "1", "FT_ACCUM_TEST_SMOLLM2_DIR": str(chat_lm_dir)} | ({"FT_ACCUM_TEST_FSDP_ON_CPU": "1"} if engine == "fsdp" else {})  # fmt: skip
+           "FT_ACCUM_TEST_NUM_LAYERS": "1", "FT_ACCUM_TEST_SMOLLM2_DIR": str(chat_lm_dir)}  # fmt: skip
+    if engine == "fsdp":
+        env["FT_ACCUM_TEST_FSDP_ON_CPU"] = "1"
     result = run_with_stack_dump(cmd, env, timeout=300 * len(runs), cwd=ROOT)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return engine, outputs, {e["recipe"]: e for e in json.loads(exits.read_text())}, result

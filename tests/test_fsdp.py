@@ -122,7 +122,7 @@ def other_recipe_runs(root: Path, tiny_model_dir: Path, chat_model: Path) -> dic
     leave the last window short and uneven across the processes: BERT classifiers (sequence, tokens,
     a sentence pair's score), a T5 (its embedding shared by both stacks and the output layer:
     run_setup.fit_fsdp_units), DPO with LoRA (the reference is the policy with its adapters off) and
-    GRPO with LoRA (16 prompts: 3 rounds, sampled on every rank)."""
+    GRPO with LoRA (3 updates of 8 completions, the rounds sampled on every rank)."""
 
     def files(name, rows):
         return {split: write_jsonl(root / f"{name}-{split}.jsonl", rows(n, seed=i))
@@ -140,12 +140,24 @@ def other_recipe_runs(root: Path, tiny_model_dir: Path, chat_model: Path) -> dic
             {"max_seq_length": 48, "learning_rate": 0.01},
         ),
         "seq2seq": (t5, files("s2s", make_text_pairs), {"max_source_length": 48, "max_target_length": 16}),
+        # GRPO with LoRA: rounds sampled on every rank, completions that stop early or run to the limit.
+        "grpo": (
+            make_tiny_chat_lm(root / "eos-lm", eos_scale=60),
+            files("prompts", lambda n, seed: arithmetic_task(n, seed).to_list()),
+            {
+                "reward_funcs": "ft_accum.testing:varied_reward",
+                "num_generations": 4,
+                "max_completion_length": 8,
+                "max_train_steps": 3,
+                "use_lora": True,
+            },
+        ),  # fmt: skip
     }
     runs = {}
-    for recipe, (model, data, lengths) in settings.items():
+    for recipe, (model, data, extra) in settings.items():
         runs[recipe] = tuple(
             [recipe]
-            + [recipe_args(model, data, root / recipe / name, **{**SGD, **lengths, **split})
+            + [recipe_args(model, data, root / recipe / name, **{**SGD, **extra, **split})
                for name, split in (("one", {"per_device_train_batch_size": 8}),
                                    ("fsdp", {"per_device_train_batch_size": 2, "effective_batch_size": 8}))]
         )  # fmt: skip
@@ -156,16 +168,6 @@ def other_recipe_runs(root: Path, tiny_model_dir: Path, chat_model: Path) -> dic
         preference_args(chat_model, pairs, root / "dpo" / "one", "dpo", True, 8, 1),
         preference_args(chat_model, pairs, root / "dpo" / "fsdp", "dpo", True, 2, 2),
     )
-    # GRPO with LoRA: the round generated on every rank under FSDP, completions that stop early or run to the limit.
-    eos_lm = make_tiny_chat_lm(root / "eos-lm", eos_scale=60)
-    prompts = {"train": write_jsonl(root / "grpo-train.jsonl", arithmetic_task(16, seed=1).to_list()),
-               "validation": write_jsonl(root / "grpo-val.jsonl", arithmetic_task(3, seed=2).to_list())}  # fmt: skip
-    grpo = {"reward_funcs": "ft_accum.testing:varied_reward", "num_generations": 4, "max_completion_length": 8,
-            "max_train_steps": 3, "use_lora": True, "learning_rate": 0.5, "effective_batch_size": 8}  # fmt: skip
-    runs["grpo"] = tuple(
-        ["grpo"] + [recipe_args(eos_lm, prompts, root / "grpo" / name, **{**SGD, **grpo, "per_device_train_batch_size": micro})
-                    for name, micro in (("one", 8), ("fsdp", 2))]
-    )  # fmt: skip
     return runs
 
 
@@ -187,9 +189,9 @@ def fsdp_runs(tmp_path_factory, tiny_llama_dir, tiny_model_dir, documents, fsdp_
              "validation": write_jsonl(root / "val.jsonl", make_conversations(4, seed=4))}  # fmt: skip
 
     def chat_args(out, micro, accumulation):
-        return recipe_args(chat_model, chats, out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-                           use_lora=True, max_seq_length=512, exact_match_max_words=1, max_new_tokens=2, merge_lora=True,
-                           **SGD)  # fmt: skip
+        return recipe_args(chat_model, chats, out, per_device_train_batch_size=micro,
+                           gradient_accumulation_steps=accumulation, use_lora=True, max_seq_length=512,
+                           exact_match_max_words=1, max_new_tokens=2, merge_lora=True, **SGD)  # fmt: skip
 
     run_in_process("causal_lm", lm_args(tiny_llama_dir, documents, root / "full" / "one", 8, **settings))
     run_in_process("instruction_tuning", chat_args(root / "lora" / "one", 8, 1))

@@ -86,8 +86,11 @@ def test_a_resume_at_a_rounds_end_is_bit_identical(tmp_path, eos_lm_dir, prompt_
     resumed = copy_checkpoint(whole, 2, tmp_path / "resumed")
     run_in_process("grpo", grpo_args(eos_lm_dir, prompt_files, resumed, 2, checkpointing_steps=2,
                                      resume_from_checkpoint="latest"))  # fmt: skip
-    assert read_metrics(resumed)[-1] == {**read_metrics(whole)[-1], **{k: read_metrics(resumed)[-1][k] for k in
-                                                                      ("samples_per_second", "tokens_per_second")}}  # fmt: skip
+    timing = ("samples_per_second", "tokens_per_second")  # wall-clock rates: the only columns that may differ
+    last, reference = read_metrics(resumed)[-1], read_metrics(whole)[-1]
+    assert {k: v for k, v in last.items() if k not in timing} == {
+        k: v for k, v in reference.items() if k not in timing
+    }
     ours, theirs = final_weights(resumed), final_weights(whole)
     assert all((ours[k] == theirs[k]).all() for k in theirs)
 

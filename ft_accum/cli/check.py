@@ -247,12 +247,13 @@ def end_of_run_under_fsdp(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # A --ddp_timeout among the recipe flags comes later and wins.
-    run_flags = ["--ddp_timeout", str(FSDP_TIMEOUT), *flags, "--max_train_samples", str(rows), "--max_eval_samples",
-                 str(eval_rows), "--max_train_steps", "1", "--per_device_train_batch_size", "2", "--effective_batch_size",
-                 "8", "--report_to", "none", "--output_dir", str(work / "fsdp")]  # fmt: skip
+    run_flags = ["--ddp_timeout", str(FSDP_TIMEOUT), *flags, "--max_train_samples", str(rows),
+                 "--max_eval_samples", str(eval_rows), "--max_train_steps", "1", "--per_device_train_batch_size", "2",
+                 "--effective_batch_size", "8", "--report_to", "none", "--output_dir", str(work / "fsdp")]  # fmt: skip
+    runner = Path(__file__).with_name("fsdp_end_of_run.py")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(work / "fsdp.yaml"),
-               "--num_processes", "2", "--main_process_port", str(port), str(Path(__file__).with_name("fsdp_end_of_run.py")),
-               str(recipe_path), str(num_layers or 0), *run_flags]  # fmt: skip
+               "--num_processes", "2", "--main_process_port", str(port), str(runner), str(recipe_path),
+               str(num_layers or 0), *run_flags]  # fmt: skip
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     started = time.monotonic()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30 * FSDP_TIMEOUT)
@@ -275,7 +276,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="ft-accum check",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
-        usage="ft-accum check recipes/my_recipe.py [--rows N] [--eval_rows N] [--num_layers N] [--skip_fsdp] [recipe flags]",
+        usage="ft-accum check recipes/my_recipe.py [--rows N] [--eval_rows N] [--num_layers N] [--skip_fsdp] "
+        "[recipe flags]",
     )
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--rows", type=int, default=20, help="training rows for the runs (default 20: 8 + 8 + 4)")

@@ -89,7 +89,8 @@ def grpo_sums(per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
 
 
 def dapo_sums(per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`dapo`: (Σ_it m_it ℓ_it, Σ_it m_it): the update's token mean once summed over micro-batches and processes."""
+    """`dapo`: (Σ_it m_it ℓ_it, Σ_it m_it): the update's token mean, once summed over micro-batches
+    and processes."""
     mask = mask.to(per_token.dtype)
     return (per_token * mask).sum(), mask.sum()
 

@@ -100,7 +100,8 @@ def describe_failure(position: RunPosition, exc: BaseException) -> str:
     )
     return (
         f"a process stopped joining collective operations ({where}): process {position.process_index} of "
-        f"{position.num_processes} {waited}. Every process must make every model call under FSDP or ZeRO-3 (docs/scale_out.md); {saved}{resume}"
+        f"{position.num_processes} {waited}. Every process must make every model call under FSDP or ZeRO-3 "
+        f"(docs/scale_out.md); {saved}{resume}"
     )
 
 

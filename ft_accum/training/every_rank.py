@@ -9,6 +9,7 @@ writing files and printing are main-process work.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
@@ -17,6 +18,8 @@ from accelerate.utils import DistributedType
 
 T = TypeVar("T")
 SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED)
+# FSDP roots that have run a forward (every rank runs the same calls, so every rank's set agrees).
+_ROOTS_RUN: weakref.WeakSet = weakref.WeakSet()
 
 
 def generate(accelerator, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **generation_kwargs):
@@ -36,12 +39,14 @@ def generate(accelerator, model, input_ids: torch.Tensor, attention_mask: torch.
     sharded = accelerator.distributed_type in SHARDED and accelerator.num_processes > 1
     root = model if isinstance(model, FSDPModule) else None
     if root is not None:
-        # FSDP2 initialises itself at the first forward, which must be the root's: a run whose first model
-        # call is generate() (GRPO's round) would start it at the embedding ("requires running forward
-        # through the root module first"). One token through the root does it, and costs one token.
-        decoder = {"decoder_input_ids": input_ids[:1, :1]} if model.config.is_encoder_decoder else {}
-        with torch.no_grad():
-            model(input_ids=input_ids[:1, :1], attention_mask=attention_mask[:1, :1], use_cache=False, **decoder)
+        if root not in _ROOTS_RUN:
+            # FSDP2 initialises itself at the first forward, which must be the root's: a run whose first model
+            # call is generate() (GRPO's round) would start it at the embedding ("requires running forward
+            # through the root module first"). One token through the root does it, once per model.
+            decoder = {"decoder_input_ids": input_ids[:1, :1]} if model.config.is_encoder_decoder else {}
+            with torch.no_grad():
+                model(input_ids=input_ids[:1, :1], attention_mask=attention_mask[:1, :1], use_cache=False, **decoder)
+            _ROOTS_RUN.add(root)
         root.unshard()
     try:
         return accelerator.unwrap_model(model).generate(

@@ -284,9 +284,10 @@ def fit_fsdp_units(accelerator, model) -> None:
       layer) would sit in two units ("shared with a parameter already managed by another FSDP
       group"). Those modules are sharded here as one unit, which Accelerate then skips, as torch
       asks: `fully_shard([module_a, module_b])`. Where one of them holds another (BERT's LM head,
-      whose bias is its output layer's), Accelerate would shard the inner one again: refused. Accelerate's loading of the weights from rank 0
-      (`fsdp_cpu_ram_efficient_loading`) does not expect a unit made before its own, so it is off
-      for such a model: every rank loaded the whole model already.
+      whose bias is its output layer's), Accelerate would shard the inner one again: refused.
+      Accelerate's loading of the weights from rank 0 (`fsdp_cpu_ram_efficient_loading`) does not
+      expect a unit made before its own, so it is off for such a model: every rank loaded the whole
+      model already.
 
     A model without input embeddings (a ResNet) makes Accelerate raise NotImplementedError: it is
     refused, in one line that names DDP instead.
