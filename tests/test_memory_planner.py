@@ -461,3 +461,28 @@ def test_a_preference_plan_is_a_run_of_the_preference_recipe():
     with pytest.raises(ConfigError, match="--loss must be one of dpo, simpo, orpo"):
         mp.plan(tiny_llama(), task="preference", seq_len=64, effective_batch_size=8, gpu_memory_gib=12,
                 preference_loss="kto")  # fmt: skip
+
+
+def test_a_grpo_plan_scores_only_the_completion_and_is_a_run_of_the_grpo_recipe():
+    """--task grpo (recipes/grpo.py): a micro-batch of m completions builds logits for the last
+    --completion_length tokens only (the recipe's own completion_log_probs), so it peaks below the
+    causal LM's step on the same tokens, and the fake trace runs for real on CPU tensors (within 5%)."""
+    from ft_accum.testing import load_recipe
+    from ft_accum.training.arguments import parse_args
+
+    config, m, seq_len = tiny_llama(), 4, 96
+    traced = lambda task, **settings: mp.trace_micro_batches(  # noqa: E731
+        config, [m], task=task, seq_len=seq_len, loss_path="logits", **settings
+    )[m][0]
+    grpo, whole = traced("grpo", completion_length=16), traced("grpo", completion_length=seq_len - 1)
+    assert grpo.activations_gradients_temporaries < whole.activations_gradients_temporaries
+    assert grpo.parameters == whole.parameters == traced("causal_lm").parameters
+    real = traced("grpo", completion_length=16, real_tensors=True)
+    assert grpo.peak == pytest.approx(real.peak, rel=0.05)
+
+    result = mp.plan(tiny_llama(), task="grpo", seq_len=96, completion_length=64, effective_batch_size=16,
+                     gpu_memory_gib=12, precision="fp32", lora_r=8)  # fmt: skip
+    launch = result["launch"]
+    assert "recipes/grpo.py" in launch and "--max_completion_length 64" in launch, launch
+    task, args = parse_args(load_recipe("grpo").TaskArguments, launch.split("recipes/grpo.py ")[1].split())
+    assert args.effective_batch_size == 16 and task.use_lora and task.max_completion_length == 64

@@ -41,6 +41,7 @@ def plan_command(args: argparse.Namespace) -> int:
         pcie_gbps=args.pcie_gbps,
         preference_loss=args.loss,
         precompute_ref_log_probs=args.precompute_ref_log_probs,
+        completion_length=args.completion_length,
     )
     result["seconds"] = round(time.perf_counter() - started, 1)
     if args.json:
@@ -76,7 +77,13 @@ def format_plan(result: dict) -> str:
         + (" · 4-bit base" if result.get("load_in_4bit") else "")
         + (" · activation offloading allowed" if offloading else "")
         + f" · card {result['gpu_memory_gib']:g} GiB (fits: {result['margin']})",
-        f"assumes the recipes' step: {result['loss_path']} loss, fused AdamW, "
+        "assumes the recipes' step: "
+        + (
+            f"the last {result['completion_length']} tokens' logits (the completion), β = 0, "
+            if result["task"] == "grpo"
+            else f"{result['loss_path']} loss, "
+        )
+        + "fused AdamW, "
         + {
             "fused": "CUDA's fused SDPA attention (flash / memory-efficient)",
             "math": "T×T attention scores (math/eager)",
@@ -168,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--task",
         default="causal_lm",
         choices=memory_planner.TASKS,
-        help="preference: recipes/preference_tuning.py, a sample is a pair (two sequences of --seq_len)",
+        help="preference: recipes/preference_tuning.py, a sample is a pair (two sequences of --seq_len); "
+        "grpo: recipes/grpo.py, a sample is a completion (--seq_len = prompt + completion tokens)",
     )
     plan.add_argument("--seq_len", type=int, default=512, help="tokens per sample (padded length)")
     plan.add_argument("--effective_batch_size", type=int, default=64, help="samples (pairs) per optimizer update")
@@ -182,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--precompute_ref_log_probs",
         action="store_true",
         help="--task preference with dpo: the reference's log-probs precomputed, no frozen copy",
+    )
+    plan.add_argument(
+        "--completion_length",
+        type=int,
+        default=None,
+        help="--task grpo: the recipe's --max_completion_length, the tokens scored (default: all of --seq_len)",
     )
     plan.add_argument("--gpu_memory", default="12GiB", help="memory of one card, e.g. 12GiB")
     plan.add_argument("--num_processes", type=int, default=1, help="GPUs (data parallel); the plan is per GPU")

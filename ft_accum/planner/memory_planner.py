@@ -58,7 +58,7 @@ NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
 # compute (`relative_throughput`); `ft-accum plan --gpu_tflops/--pcie_gbps` override them.
 ASSUMED_GPU_TFLOPS = 12.0  # sustained bf16 training throughput of a 12 GB consumer card, at full utilisation
 ASSUMED_PCIE_GBPS = 20.0  # pinned host↔GPU copies over PCIe 4.0 x16 (31.5 GB/s in theory)
-TASKS = ("causal_lm", "text_classification", "token_classification", "seq2seq", "preference")
+TASKS = ("causal_lm", "text_classification", "token_classification", "seq2seq", "preference", "grpo")
 # Preference tuning's reference while it trains (recipes/preference_tuning.py): the policy with its LoRA
 # adapters off, a frozen copy (full DPO), or none (SimPO, ORPO, DPO with --precompute_ref_log_probs).
 PREFERENCE_LOSSES = ("dpo", "simpo", "orpo")
@@ -185,6 +185,7 @@ def build_model(config, task: str, dtype: torch.dtype = torch.float32):
     auto = {
         "causal_lm": AutoModelForCausalLM,
         "preference": AutoModelForCausalLM,
+        "grpo": AutoModelForCausalLM,
         "text_classification": AutoModelForSequenceClassification,
         "token_classification": AutoModelForTokenClassification,
         "seq2seq": AutoModelForSeq2SeqLM,
@@ -208,6 +209,8 @@ def example_batch(config, task: str, micro_batch_size: int, seq_len: int) -> dic
         "preference",
     ):  # packed blocks, as the recipe passes them with --packing: no mask, so SDPA is causal
         batch = {"input_ids": ids, "labels": ids}
+    elif task == "grpo":  # a completion batch (generation_round.completion_batch): prompt + completion columns
+        batch["position_ids"] = torch.arange(seq_len).expand(micro_batch_size, -1)
     elif task == "text_classification":
         batch["labels"] = torch.zeros(micro_batch_size, dtype=torch.long)
     elif task == "token_classification":
@@ -259,16 +262,38 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 LOSS_PATHS = ("chunked", "logits", "model")
 
 
-def training_step(model, batch: dict, task: str, loss: str = "chunked", reference=None) -> torch.Tensor:
+def grpo_step(model, batch: dict, completion_length: int) -> torch.Tensor:
+    """recipes/grpo.py's micro-batch loss at β = 0, through its own functions: the log-probs and
+    entropy of the last `completion_length` tokens only (`generation_round.completion_log_probs`:
+    `logits_to_keep`, so the prompt's logits are never built), the clipped surrogate and dapo's sums."""
+    from ft_accum.core import grpo_loss
+    from ft_accum.training.generation_round import completion_log_probs
+
+    completion_ids = batch["input_ids"][:, -completion_length:]
+    batch = {**batch, "completion_ids": completion_ids, "completion_mask": torch.ones_like(completion_ids)}
+    log_probs, _ = completion_log_probs(model, batch)
+    weights = grpo_loss.log_importance_weights(log_probs, log_probs.detach(), batch["completion_mask"])
+    advantages = torch.ones(len(completion_ids), device=log_probs.device)  # values don't matter to memory
+    per_token, _ = grpo_loss.clipped_surrogate(weights, advantages, 0.2, 0.2)
+    loss_sum, items = grpo_loss.loss_sums("dapo", per_token, batch["completion_mask"], completion_length)
+    return loss_sum / items
+
+
+def training_step(
+    model, batch: dict, task: str, loss: str = "chunked", reference=None, completion_length: int | None = None
+) -> torch.Tensor:
     """One micro-batch's loss, as the step that is traced computes it.
 
     "chunked" and "logits" are the language-model recipes' `OutputLoss` (the default, and
     --no_chunked_loss); "model" is the model's own loss, `model(**batch).loss`, which is what a plain
     PyTorch loop and the Transformers Trainer backpropagate, and what the classifier recipes use.
+    A GRPO micro-batch is completions of `seq_len` tokens, prompt and completion (`grpo_step`).
     A preference micro-batch holds each pair's two sequences; DPO's `reference` ("adapters_off":
     the same model with its LoRA adapters off, or a frozen copy) then runs a forward without grad
     while the policy's activations wait for the backward, as in recipes/preference_tuning.py.
     """
+    if task == "grpo":
+        return grpo_step(model, batch, completion_length or batch["input_ids"].shape[1] - 1)
     if task not in ("causal_lm", "seq2seq", "preference") or loss == "model":
         return model(**batch).loss
     from ft_accum.models.output_loss import OutputLoss
@@ -365,6 +390,7 @@ def trace_micro_batches(
     offload_activations: bool = False,
     preference_loss: str = "dpo",
     precompute_ref_log_probs: bool = False,
+    completion_length: int | None = None,
     real_tensors: bool = False,
     accounting: dict | None = None,
 ) -> dict[int, tuple[MemoryEstimate, MemoryEstimate]]:
@@ -389,6 +415,9 @@ def trace_micro_batches(
     `preference_loss="dpo"` the reference runs too (`training_step`): under LoRA the same model with
     its adapters off, else a frozen copy, counted with the parameters, unless
     `precompute_ref_log_probs` (the log-probs read from a table, no reference in memory).
+
+    `task="grpo"`: a micro-batch of m completions of `seq_len` tokens (prompt + completion), the
+    last `completion_length` of them scored (`grpo_step`), at β = 0 (no reference: the recipe's default).
     """
     FakeTensorMode, _ = torch_internals()
     if precision not in PRECISIONS:
@@ -477,7 +506,7 @@ def trace_micro_batches(
             offload = offload_hooks(tracker) if offload_activations else contextlib.nullcontext()
             with tracker, kernels:  # backward too: checkpointing recomputes attention there
                 with autocast, offload:
-                    loss = training_step(model, batch, task, loss_path, reference)
+                    loss = training_step(model, batch, task, loss_path, reference, completion_length)
                 loss.float().backward()
                 del loss
                 if accounting is not None:
@@ -662,6 +691,7 @@ def plan(
     pcie_gbps: float = ASSUMED_PCIE_GBPS,
     preference_loss: str = "dpo",
     precompute_ref_log_probs: bool = False,
+    completion_length: int | None = None,
 ) -> dict[str, Any]:
     """Every exact split of the effective batch, with and without checkpointing: predicted peak, fit, speed.
 
@@ -674,6 +704,8 @@ def plan(
 
     `task="preference"` plans recipes/preference_tuning.py: `effective_batch_size` counts pairs, each
     two sequences of `seq_len`, and DPO's reference is priced as `trace_micro_batches` says.
+    `task="grpo"` plans recipes/grpo.py: `effective_batch_size` counts completions, each `seq_len`
+    tokens of which the last `completion_length` (the recipe's --max_completion_length) are scored.
     """
     if preference_loss not in PREFERENCE_LOSSES:
         raise ConfigError(f"--loss must be one of {', '.join(PREFERENCE_LOSSES)}, got {preference_loss!r}")
@@ -684,9 +716,11 @@ def plan(
     # The recipes refuse a sequence longer than the model's positions; so must the plan (issue 19).
     check_context_length(config, seq_len, "--seq_len")
     micros = candidate_micro_batches(effective_batch_size, num_processes)
-    preference = (
+    task_settings = (
         {"preference_loss": preference_loss, "precompute_ref_log_probs": precompute_ref_log_probs}
         if task == "preference"
+        else {"completion_length": min(completion_length or seq_len, seq_len - 1)}  # a prompt has ≥ 1 token
+        if task == "grpo"
         else {}
     )
     settings = {
@@ -699,7 +733,7 @@ def plan(
         "attention": attention,
         "loss_path": loss_path,
         "load_in_4bit": load_in_4bit,
-        **preference,
+        **task_settings,
     }
     tokens_per_sample = seq_len * (2 if task == "preference" else 1)  # a pair is two sequences
     card = gpu_memory_gib * GIB
@@ -789,7 +823,7 @@ def plan(
         "loss_path": loss_path,
         "load_in_4bit": load_in_4bit,
         "offload_activations": offload_activations,
-        **preference,
+        **task_settings,
         "gpu_tflops": gpu_tflops,
         "pcie_gbps": pcie_gbps,
         "training_flops_per_token": flops_per_token,
@@ -808,6 +842,7 @@ SEQUENCE_FLAG = {
     "token_classification": "--max_seq_length",
     "seq2seq": "--max_source_length",
     "preference": "--max_seq_length",
+    "grpo": "--max_completion_length",
 }
 RECIPE = {"preference": "preference_tuning"}  # the recipe file of each task, where its name differs
 
@@ -836,7 +871,7 @@ def launch_line(result: dict) -> str | None:
     flags = [
         f"--per_device_train_batch_size {best['per_device_train_batch_size']}",
         f"--effective_batch_size {result['effective_batch_size']}",
-        f"{SEQUENCE_FLAG[result['task']]} {result['seq_len']}",
+        f"{SEQUENCE_FLAG[result['task']]} {result.get('completion_length') or result['seq_len']}",
     ]
     if best["gradient_checkpointing"]:
         flags.append("--gradient_checkpointing")
