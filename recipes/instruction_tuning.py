@@ -255,10 +255,8 @@ def train(task, args):
     rows = banner_rows(task, model, tokenized, train_rows, output_loss.path, plan.effective)
     mean_tokens = sum(len(r["input_ids"]) for r in train_rows) / len(train_rows)
     unit = "packed rows" if task.packing else "conversations"
-    banner = run_setup.run_banner(
-        accelerator, args, plan, schedule.windows, mean_tokens, rows, unit, model=model, optimizer=optimizer
-    )
-    accelerator.print(banner)
+    accelerator.print(run_setup.run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, unit,
+                                           model=model, optimizer=optimizer))  # fmt: skip
 
     state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
     noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="assistant tokens")

@@ -41,10 +41,10 @@ import torch
 from accelerate.utils import set_seed
 from transformers import AutoTokenizer
 
+from ft_accum.core import preference_loss
 from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
 from ft_accum.core.loss_normalization import AccumulationWindow
-from ft_accum.core.preference_loss import DEFAULT_BETA, DEFAULT_SIMPO_GAMMA, LOSSES, pair_terms
 from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora
 from ft_accum.models.output_loss import OutputLoss
@@ -79,7 +79,9 @@ class TaskArguments(LoraArguments):
     beta: Optional[float] = field(
         default=None, metadata={"help": "DPO/SimPO β, ORPO λ. Default: the paper's (0.1, 2.0, 0.1)."}
     )
-    simpo_gamma: float = field(default=DEFAULT_SIMPO_GAMMA, metadata={"help": "SimPO's target margin γ."})
+    simpo_gamma: float = field(
+        default=preference_loss.DEFAULT_SIMPO_GAMMA, metadata={"help": "SimPO's target margin γ."}
+    )
     chunked_loss: bool = field(default=True, metadata={"help": "Log-probs from the hidden states in chunks (exact)."})
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "DPO: the reference's log-probs in one pass before training, no second copy."}
@@ -87,9 +89,9 @@ class TaskArguments(LoraArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.loss not in LOSSES:
-            raise ConfigError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        self.beta = DEFAULT_BETA[self.loss] if self.beta is None else self.beta
+        if self.loss not in preference_loss.LOSSES:
+            raise ConfigError(f"--loss must be one of {', '.join(preference_loss.LOSSES)}, got {self.loss!r}")
+        self.beta = preference_loss.DEFAULT_BETA[self.loss] if self.beta is None else self.beta
         if self.beta <= 0:
             raise ConfigError(f"--beta must be > 0, got {self.beta}")
         if self.simpo_gamma < 0:
@@ -170,7 +172,7 @@ def forward_pairs(task, accelerator, model, batch, output_loss, reference=None, 
                 reference_logps = -output_loss.per_row(model, labels, **inputs)[0].view(2, -1)
         else:
             reference_logps = -reference_loss.per_row(reference, labels, **inputs)[0].view(2, -1)
-    return pair_terms(
+    return preference_loss.pair_terms(
         task.loss, -nll[:pairs], -nll[pairs:], tokens[:pairs], tokens[pairs:], task.beta, *reference_logps,
         simpo_gamma=task.simpo_gamma,
     )  # fmt: skip
@@ -223,12 +225,24 @@ def reward_columns(accelerator, rewards: torch.Tensor) -> dict:
             "reward_accuracy": correct / pairs, "reward_margin": (chosen - rejected) / pairs}  # fmt: skip
 
 
+def pair_dataloaders(task, args, accelerator, tokenizer, pairs):
+    """{split: tokenized pairs}, their collator, and the seeded train and eval dataloaders."""
+    with accelerator.main_process_first():
+        tokenized = {s: chat_data.tokenize_pairs(tokenizer, p, task.max_seq_length) for s, p in pairs.items()}
+    for split, chats in tokenized.items():
+        if not chats.rows:
+            raise ConfigError(f"no {split} pair keeps a response token within --max_seq_length; raise it")
+    collate = chat_data.collate_pairs(tokenizer.pad_token_id)
+    splits = {"train": tokenized["train"].rows, "validation": tokenized["validation"].rows}
+    train_dataloader, eval_dataloader = data_sources.seeded_dataloaders(
+        splits, collate, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed
+    )
+    return tokenized, collate, train_dataloader, eval_dataloader
+
+
 def train(task, args):
-    if args.accumulation_schedule:
-        raise ConfigError(
-            "--accumulation_schedule: preference_tuning counts each window's pairs and chosen tokens before "
-            "its first forward, at a fixed window size; drop the schedule"
-        )
+    if args.accumulation_schedule:  # each window's pairs and chosen tokens are counted before its first forward
+        raise ConfigError("--accumulation_schedule: preference_tuning's windows have a fixed size; drop the schedule")
     accelerator = run_setup.build_accelerator(task, args, "preference_tuning", loss_weighted_by="tokens")
     plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
     set_seed(args.seed)
@@ -236,19 +250,7 @@ def train(task, args):
     pairs = load_pairs(task, args)
     with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
         model, reference, tokenizer = build_model(task, args, accelerator)
-    with accelerator.main_process_first():
-        tokenized = {s: chat_data.tokenize_pairs(tokenizer, p, task.max_seq_length) for s, p in pairs.items()}
-    for split, chats in tokenized.items():
-        if not chats.rows:
-            raise ConfigError(f"no {split} pair keeps a response token within --max_seq_length; raise it")
-    collate = chat_data.collate_pairs(tokenizer.pad_token_id)
-    train_dataloader, eval_dataloader = data_sources.seeded_dataloaders(
-        {"train": tokenized["train"].rows, "validation": tokenized["validation"].rows},
-        collate,
-        args.per_device_train_batch_size,
-        args.per_device_eval_batch_size,
-        args.seed,
-    )
+    tokenized, collate, train_dataloader, eval_dataloader = pair_dataloaders(task, args, accelerator, tokenizer, pairs)
     run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
     optimizer = run_setup.build_optimizer(
         model,
@@ -286,10 +288,8 @@ def train(task, args):
     with tracker.paused():  # outside the training time, like every evaluation
         initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, references["validation"],
                                 reference_loss)  # fmt: skip
-    accelerator.print(
-        f"before training: reward accuracy {initial_eval['eval_reward_accuracy']:.3f}, "
-        f"margin {initial_eval['eval_reward_margin']:.4f}"
-    )
+    accelerator.print(f"before training: reward accuracy {initial_eval['eval_reward_accuracy']:.3f}, "
+                      f"margin {initial_eval['eval_reward_margin']:.4f}")  # fmt: skip
     nominal_pairs = plan.micro  # any constant works; this one keeps the losses O(1)
     eval_metrics = initial_eval
     model.train()

@@ -110,3 +110,25 @@ def test_only_the_setup_module_reads_the_argument_dataclasses(name):
         and node.value.id in ("args", "task", "task_args")
     )
     assert reads == [], f"{name} reads the argument dataclasses: {reads}"
+
+
+RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.py"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_reads_as_a_template(recipe):
+    """STYLE.md's limits for a recipe: at most 350 lines, a `train()` of at most 100, and at most 20
+    names imported from ft_accum (a template that leans on more has hidden its loop in the library)."""
+    text = recipe.read_text()
+    tree = ast.parse(text)
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    imported = [
+        alias.name
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+        if (node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0] == "ft_accum"
+    ]
+    assert len(text.splitlines()) <= 350
+    assert train.end_lineno - train.lineno + 1 <= 100
+    assert len(imported) <= 20, imported
