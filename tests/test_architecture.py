@@ -112,7 +112,7 @@ def test_only_the_setup_module_reads_the_argument_dataclasses(name):
     assert reads == [], f"{name} reads the argument dataclasses: {reads}"
 
 
-RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.py"))
+RECIPES = sorted((PACKAGE.parent / "recipes").glob("*.py"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
