@@ -5,6 +5,7 @@ ft-accum check recipes/my_recipe.py [recipe flags]
 ft-accum plan --model gpt2-124m --task causal_lm --seq_len 512 --effective_batch_size 64 --gpu_memory 12GiB
 ft-accum sweep recipes/configs/sweep_text_classification.yaml [--dry-run] [--time_budget 8h]
 ft-accum report outputs/sweeps/text_classification [--out DIR]
+ft-accum export outputs/instruction_tuning --format gguf [--outtype q8_0]
 """
 
 from __future__ import annotations
@@ -282,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="where report.md and the PNGs go (default: <run>/report or <sweep>/report)"
     )
     report_parser.set_defaults(handler=report_command)
+
+    from ft_accum.cli import export
+
+    export.add_parser(commands)
     return parser
 
 

@@ -100,19 +100,29 @@ def resume_command(
     environment settings (ACCELERATE_USE_CPU=true, ...); started with plain `python`, this
     process's own. Call it at the start of the run: at a stop, the launcher may be gone.
     """
+    return _with_resume(started_command(argv, parent_argv, parent_environ, launch_command))
+
+
+def started_command(
+    argv: list[str] | None = None,
+    parent_argv: list[str] | None = None,
+    parent_environ: dict[str, str] | None = None,
+    launch_command: str | None = None,
+) -> list[str]:
+    """The command that started this run, as words (see `resume_command`, which adds the resume flag)."""
     argv = sys.argv if argv is None else argv
     launch_command = os.environ.get(LAUNCH_COMMAND_ENV) if launch_command is None else launch_command
     if launch_command:
-        return _with_resume(shlex.split(launch_command))
+        return shlex.split(launch_command)
     if parent_argv is None:
         parent_argv = _read_proc(f"/proc/{os.getppid()}/cmdline")
         parent_environ = dict(kv.split("=", 1) for kv in _read_proc(f"/proc/{os.getppid()}/environ") if "=" in kv)
     launch = [i for i, a in enumerate(parent_argv) if a in ("launch", "accelerate.commands.launch")]
     if not launch:
-        return _with_resume(["python", *argv])
+        return ["python", *argv]
     environ = parent_environ or {}
     settings = [f"{name}={environ[name]}" for name in LAUNCH_ENV_SETTINGS if environ.get(name)]
-    return _with_resume([*settings, "accelerate", "launch", *parent_argv[launch[0] + 1 :]])
+    return [*settings, "accelerate", "launch", *parent_argv[launch[0] + 1 :]]
 
 
 def _read_proc(path: str) -> list[str]:
@@ -125,6 +135,11 @@ def _read_proc(path: str) -> list[str]:
 
 
 def _with_resume(command: list[str]) -> str:
+    return shlex.join([*without_resume(command), "--resume_from_checkpoint", "latest"])
+
+
+def without_resume(command: list[str]) -> list[str]:
+    """`command` without its --resume_from_checkpoint flag: the command of a fresh start."""
     kept, skip = [], False
     for arg in command:
         if skip:
@@ -133,4 +148,4 @@ def _with_resume(command: list[str]) -> str:
             skip = True
         elif not arg.startswith("--resume_from_checkpoint="):
             kept.append(arg)
-    return shlex.join([*kept, "--resume_from_checkpoint", "latest"])
+    return kept

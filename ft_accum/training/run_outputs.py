@@ -277,6 +277,8 @@ def write_results(
         "train_samples_per_second": state.samples_seen / train_seconds,
         "train_tokens_per_second": state.tokens_seen / train_seconds,
         "num_update_steps": state.step,
+        "train_samples": state.samples_seen,
+        "train_tokens": state.tokens_seen,
         "effective_batch_size": state.effective_batch_size,
         "per_device_train_batch_size": plan.micro,
         "gradient_accumulation_steps": plan.accumulation,

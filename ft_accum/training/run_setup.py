@@ -5,6 +5,7 @@ and the start-of-run banner. Hardware and precision come from the Accelerate con
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
@@ -14,8 +15,9 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.core.lr_scaling import describe_lr_scaling
 from ft_accum.models.loading import describe_dtypes
 from ft_accum.models.low_memory import adamw_8bit, adamw_8bit_stochastic_rounding
-from ft_accum.training import collective_timeout
+from ft_accum.training import collective_timeout, model_card
 from ft_accum.training.banner import format_banner
+from ft_accum.training.graceful_stop import started_command, without_resume
 from ft_accum.training.run_outputs import check_accelerator, describe_engine, prepare_output_dir, resolve_report_to
 
 
@@ -44,9 +46,13 @@ def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str 
         overwrite=args.overwrite_output_dir,
         is_main_process=accelerator.is_main_process,
     )
+    settings = dataclasses.asdict(task_args) | dataclasses.asdict(args)
+    config_file = Path(args.output_dir) / model_card.RUN_CONFIG_FILE
+    if accelerator.is_main_process and (not args.resume_from_checkpoint or not config_file.exists()):
+        # The fresh start's command and settings, for final/README.md and ft-accum export (a resume keeps them).
+        model_card.write_run_config(args.output_dir, project_name, settings, without_resume(started_command()))
     accelerator.wait_for_everyone()
     if report_to:
-        settings = dataclasses.asdict(task_args) | dataclasses.asdict(args)
         accelerator.init_trackers(
             project_name, config={k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))}
         )

@@ -21,6 +21,7 @@ from ft_accum.core.batch_arithmetic import BatchPlan
 from ft_accum.core.errors import register_progress_bar
 from ft_accum.core.loss_normalization import WindowTotals, check_skipped_updates
 from ft_accum.training import checkpointing, collective_timeout
+from ft_accum.training.model_card import is_exportable_causal_lm, write_model_card
 from ft_accum.training.run_outputs import log_update, save_final, truncate_metrics, write_results
 
 
@@ -374,8 +375,14 @@ class RunTracker:
             **metrics,
             **extras,
         )
+        if self.accelerator.is_main_process:
+            write_model_card(self.settings.output_dir)
         # Every process leaves the group together: destroy_process_group is local, and a rank that
         # exits while another still writes can tear gloo down under it.
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
+        if is_exportable_causal_lm(self.accelerator.unwrap_model(model)):
+            self.accelerator.print(
+                f"deploy it: ft-accum export {self.settings.output_dir} --format gguf (llama.cpp, Ollama; docs in README's Deploy)"
+            )
         return results
