@@ -319,6 +319,7 @@ def train(task, args):
     counts = {
         "truncated_train_conversations": train_chats.truncated,
         "dropped_train_conversations": train_chats.dropped,
+        "train_system_prompt": train_chats.system_prompt,  # the Modelfile's SYSTEM in ft-accum export
     }
     extras = lambda: save_extras(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
     return tracker.finish(

@@ -175,6 +175,14 @@ class TokenizedChats:
     rows: list[dict]  # input_ids, labels
     truncated: int  # conversations cut at max_length
     dropped: int  # of those, the ones left with no assistant token
+    system_prompt: str | None = None  # the system turn every conversation starts with, if they share one
+
+
+def shared_system_prompt(conversations: list[list]) -> str | None:
+    """The system message that begins every conversation, or None: what the model was trained to expect
+    (ft-accum export writes it as the Ollama Modelfile's SYSTEM)."""
+    firsts = {m[0]["content"] if m and m[0]["role"] == "system" else None for m in conversations}
+    return firsts.pop() if len(firsts) == 1 else None
 
 
 def tokenize_chats(tokenizer, conversations: list[list], max_length: int) -> TokenizedChats:
@@ -191,7 +199,7 @@ def tokenize_chats(tokenizer, conversations: list[list], max_length: int) -> Tok
             dropped += 1
             continue
         rows.append({"input_ids": ids, "labels": labels})
-    return TokenizedChats(rows, truncated, dropped)
+    return TokenizedChats(rows, truncated, dropped, shared_system_prompt(conversations))
 
 
 def pack_chats(rows: list[dict], max_length: int) -> list[dict]:

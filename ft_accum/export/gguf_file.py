@@ -181,6 +181,7 @@ def write_gguf(
         encoded, kind = encode_tensor(data, outtype)
         writer.add_tensor(tensor_name, encoded, raw_dtype=kind)
 
+    remove_dead_partials(output)
     partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
     try:
         writer.write_header_to_file(path=partial)
@@ -191,3 +192,11 @@ def write_gguf(
     finally:
         partial.unlink(missing_ok=True)
     return output
+
+
+def remove_dead_partials(output: Path) -> None:
+    """Delete the half-written files a killed export left beside `output` (their writer's PID is gone)."""
+    for partial in output.parent.glob(f".{output.name}.partial-*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            partial.unlink(missing_ok=True)

@@ -58,6 +58,24 @@ if _FOLDER or _SLOW:
 
     os.replace = _hooked_replace
 
+# FT_ACCUM_FREEZE_IN_GGUF_WRITE=/tmp/marker: `ft-accum export` stops itself (SIGSTOP) once the GGUF's
+# first two tensors are on disk, having written the marker; the test SIGKILLs it there, mid-file.
+if os.environ.get("FT_ACCUM_FREEZE_IN_GGUF_WRITE"):
+    import gguf as _gguf
+
+    _write_padding = _gguf.GGUFWriter.write_padding
+    _paddings = []
+
+    def _freezing_write_padding(self, fp, n, *args, **kwargs):
+        _write_padding(self, fp, n, *args, **kwargs)
+        _paddings.append(n)
+        if len(_paddings) == 3:  # the first pads the tensor table; each later one follows a tensor's data
+            fp.flush()
+            Path(os.environ["FT_ACCUM_FREEZE_IN_GGUF_WRITE"]).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    _gguf.GGUFWriter.write_padding = _freezing_write_padding
+
 # FT_ACCUM_TEST_FSDP_ON_CPU=1: Accelerate's FSDP plugin switched on for CPU process groups
 # (ft_accum/training/fsdp_on_cpu.py, which `ft-accum check` uses too): the recipes then run torch's
 # real FSDP2 on 2 CPU processes over gloo. The product refuses that combination
