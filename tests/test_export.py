@@ -126,6 +126,18 @@ def test_transformers_reads_the_gguf_back_as_the_same_model(tiny_chat_llama, tmp
     assert result["max_logit_difference"] < 2e-2  # f16 weights; a wrong permutation differs by O(1)
 
 
+def test_without_llamacpp_the_export_says_how_to_install_it_and_checks_with_transformers(
+    tiny_chat_llama, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(llamacpp_check, "llamacpp_available", lambda: False)
+    assert export(tiny_chat_llama, "--format", "gguf", "--output", tmp_path / "model.gguf") == 0
+    printed = capsys.readouterr().out
+    assert "llama.cpp is not installed" in printed and 'pip install -e ".[export]"' in printed
+    assert (
+        "transformers round trip (not llama.cpp): max logit difference" in printed and "tokenizer identical" in printed
+    )
+
+
 def test_norms_are_f32_and_a_tied_output_is_written_once(tiny_chat_llama, tiny_llama3_gqa, tmp_path):
     import gguf
 
@@ -191,6 +203,29 @@ def test_llamacpp_tokenizes_like_hf_under_each_named_pre_tokenizer(pre_tokenizer
         assert [tokenizer(p)["input_ids"] for p in prompts] != [gpt2(p)["input_ids"] for p in prompts]
     result = llamacpp_check.check_in_llamacpp(gguf, model, tokenizer, outtype="f16", prompts=prompts, near_tie=0.02)
     assert [p.prompt_tokens_llamacpp for p in result.prompts] == counts
+    assert result.passed, result.summary
+
+
+@needs_llamacpp
+def test_a_sentencepiece_tokenizer_as_tinyllama_s_runs_in_llamacpp(tmp_path):
+    """TinyLlama's and Llama 2's tokenizer family (SentencePiece converted to tokenizer.json, written as
+    llama.cpp's "llama" tokenizer with scores): spaces, digits, an accent and an emoji that only byte
+    fallback can spell tokenize to as many tokens in llama.cpp as in HF, with BOS, and continue alike."""
+    from ft_accum.testing import make_sentencepiece_llama
+
+    model_dir = make_sentencepiece_llama(tmp_path / "model")
+    gguf = tmp_path / "model.gguf"
+    assert export(model_dir, "--format", "gguf", "--output", gguf, "--no_verify") == 0
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = (
+        "Hello world, 1234 naïve people paid $3.50!",
+        "The minister said that   it would 🦙 act.",
+        "Shares rose",
+    )
+    assert "<0xF0>" in tokenizer.convert_ids_to_tokens(tokenizer(prompts[1])["input_ids"])  # byte fallback in use
+    result = llamacpp_check.check_in_llamacpp(gguf, model, tokenizer, outtype="f16", prompts=prompts, near_tie=0.02)
+    assert [p.prompt_tokens_llamacpp for p in result.prompts] == [len(tokenizer(p)["input_ids"]) for p in prompts]
     assert result.passed, result.summary
 
 
@@ -317,8 +352,10 @@ def test_smollm2_after_a_short_lora_run_exports_and_matches_in_llamacpp(tmp_path
     instruction recipe through `accelerate launch` (its card written, the export command its last
     line), then `ft-accum export` to F16 (llama.cpp's greedy top-1 identical to HF's at every position
     of three chat prompts) and Q8_0 (at least the stated agreement), a Modelfile beside each."""
+    system = {"role": "system", "content": "Answer briefly."}  # every training conversation's: the Modelfile's SYSTEM
+    rows = [{"messages": [system, *row["messages"]]} for row in make_conversations(24, seed=1)]
     data = {
-        "train": write_jsonl(tmp_path / "train.jsonl", make_conversations(24, seed=1)),
+        "train": write_jsonl(tmp_path / "train.jsonl", rows),
         "validation": write_jsonl(tmp_path / "validation.jsonl", make_conversations(4, seed=2)),
     }
     out = tmp_path / "run"
@@ -342,5 +379,7 @@ def test_smollm2_after_a_short_lora_run_exports_and_matches_in_llamacpp(tmp_path
     assert exports["f16"]["verification"].startswith("llama.cpp: greedy top-1 identical at 96/96 positions")
     assert "top-1 agreement" in exports["q8_0"]["verification"]
     for entry in exports.values():
-        assert Path(entry["modelfile"]).read_text().count('PARAMETER stop "<|im_end|>"') == 1
+        modelfile = Path(entry["modelfile"]).read_text()
+        assert modelfile.count('PARAMETER stop "<|im_end|>"') == 1 and 'SYSTEM """Answer briefly."""' in modelfile
+        assert f"FROM ./{Path(entry['file']).name}" in modelfile and 'TEMPLATE """' in modelfile
     assert "instruction_tuning-q8_0.gguf" in (out / "final" / "README.md").read_text()

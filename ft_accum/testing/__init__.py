@@ -612,3 +612,38 @@ def render_with_go(template: str, messages: list[dict], system: str, work_dir: P
     if done.returncode:
         raise RuntimeError(f"go run failed: {done.stderr}")
     return done.stdout
+
+
+def make_sentencepiece_llama(path: Path, vocab_size: int = 1200) -> Path:
+    """A 2-layer, 64-wide Llama with a tokenizer shaped as TinyLlama's and Llama 2's: a SentencePiece
+    model converted to tokenizer.json (BPE over '▁' pieces with byte fallback, <0x00>..<0xFF> after
+    <unk> <s> </s>, BOS added), trained here on 300 bundled BBC articles; weights at init std 0.1."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from ft_accum.data.offline_assets import load_bbc_news
+
+    texts = [row["text"] for row in load_bbc_news()["train"].select(range(300))]
+    backend = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.pre_tokenizer = pre_tokenizers.Split(
+        "▁", behavior="merged_with_next"
+    )  # training only: no merge across words
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{byte:02X}>" for byte in range(256))]
+    backend.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, limit_alphabet=80)
+    )
+    backend.pre_tokenizer = None
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, initializer_range=0.1, bos_token_id=1, eos_token_id=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
