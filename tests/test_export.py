@@ -266,7 +266,7 @@ def test_the_ollama_template_renders_a_conversation_as_the_chat_template(templat
         tokenizer.chat_template = CHAT_TEMPLATES[template]
         tokenizer.eos_token = "<|endoftext|>"
         strip_bos = template == "llama3"  # Llama 3's tokenizer adds BOS itself (add_bos_token)
-    go_template, why_not = ollama.ollama_template(tokenizer, strip_bos=strip_bos)
+    go_template, why_not, _ = ollama.ollama_template(tokenizer, strip_bos=strip_bos)
     assert go_template is not None, why_not
     for system in (None, "Answer in one word."):
         conversation = ([{"role": "system", "content": system}] if system else []) + TWO_TURNS
@@ -282,7 +282,7 @@ def test_the_ollama_template_renders_a_conversation_as_the_chat_template(templat
 def test_a_template_ollama_cannot_express_is_reported_and_left_out(tiny_chat_llama):
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_llama)
     tokenizer.chat_template = LLAMA2_TEMPLATE
-    go_template, why_not = ollama.ollama_template(tokenizer, strip_bos=True)
+    go_template, why_not, _ = ollama.ollama_template(tokenizer, strip_bos=True)
     assert go_template is None and why_not
     text = ollama.modelfile_text("m.gguf", None, why_not, ["</s>"], None)
     assert not any(line.startswith("TEMPLATE") for line in text.splitlines()) and "could not be written" in text

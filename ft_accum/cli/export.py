@@ -13,7 +13,6 @@ llama.cpp's own quantizer: export f16, then `llama-quantize model-f16.gguf model
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -129,30 +128,20 @@ def export_command(args: argparse.Namespace) -> int:
 def write_modelfile(output: Path, source, gguf_vocab, model, system_prompt: str | None, run_dir: Path) -> Path:
     from transformers import AutoTokenizer
 
-    from ft_accum.export import ollama
+    from ft_accum.export import ollama, source_model
 
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
-    template, why_not = ollama.ollama_template(tokenizer, strip_bos=gguf_vocab.add_bos)
+    template, why_not, parts = ollama.ollama_template(tokenizer, strip_bos=gguf_vocab.add_bos)
     if template is None:
         print(f"warning: no Ollama TEMPLATE written: {why_not} (the Modelfile says so)")
-    tail = None
-    if template is not None:
-        tail = ollama.read_template_parts(tokenizer, gguf_vocab.add_bos).tails["assistant"]
+    tail = parts.tails["assistant"] if parts else None
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     stops = ollama.stop_tokens(tokenizer, tail, eos if isinstance(eos, list) else [eos])
     if system_prompt is None:
-        results = source_model_results(run_dir)
-        system_prompt = results.get("train_system_prompt")
+        system_prompt = source_model.run_record(run_dir, "all_results.json").get("train_system_prompt")
     modelfile = output.with_suffix(".Modelfile")
     modelfile.write_text(ollama.modelfile_text(output.name, template, why_not, stops, system_prompt))
     return modelfile
-
-
-def source_model_results(run_dir: Path) -> dict:
-    try:
-        return json.loads((Path(run_dir) / "all_results.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def verify(output: Path, model, source, args) -> tuple[str, bool]:

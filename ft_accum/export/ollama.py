@@ -279,21 +279,23 @@ PROBE_CONVERSATIONS = (
 )  # fmt: skip
 
 
-def ollama_template(tokenizer, strip_bos: bool) -> tuple[str | None, str]:
-    """(Go TEMPLATE, "") when one renders every probe conversation as the tokenizer does, else (None, why)."""
+def ollama_template(tokenizer, strip_bos: bool) -> tuple[str | None, str, ChatTemplateParts | None]:
+    """(Go TEMPLATE, "", its parts) when one renders every probe conversation as the tokenizer does, else
+    (None, why, None)."""
     if not tokenizer.chat_template:
-        return None, "the tokenizer has no chat template"
+        return None, "the tokenizer has no chat template", None
     try:
-        template = go_template(read_template_parts(tokenizer, strip_bos))
+        parts = read_template_parts(tokenizer, strip_bos)
+        template = go_template(parts)
     except Exception as exc:  # a Jinja template that raises on our probe turns counts as not expressible
-        return None, str(exc)
+        return None, str(exc), None
     for conversation in PROBE_CONVERSATIONS:
         expected = _render(tokenizer, conversation, True)
         if strip_bos and tokenizer.bos_token and expected.startswith(tokenizer.bos_token):
             expected = expected[len(tokenizer.bos_token) :]
         if render_go_template(template, conversation) != expected:
-            return None, "the template built from its renderings does not render every test conversation alike"
-    return template, ""
+            return None, "the template built from its renderings does not render every test conversation alike", None
+    return template, "", parts
 
 
 def stop_tokens(tokenizer, parts_tail: str | None, eos_token_ids: list[int]) -> list[str]:
