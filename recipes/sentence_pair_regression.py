@@ -180,7 +180,10 @@ def train(task, args):
         accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
     metrics = (load_metric("pearsonr"),)
-    eval_metrics = {}
+    with tracker.paused():  # outside the training time, like every evaluation
+        initial_eval = evaluate_model(model, eval_dataloader, accelerator, *metrics)
+    accelerator.print(f"before training: eval_pearsonr {initial_eval['eval_pearsonr']:.4f} (a new regression head)")
+    eval_metrics = initial_eval  # until an epoch ends
     model.train()
     while state.epoch < schedule.num_epochs:
         window = AccumulationWindow(accelerator.device)
@@ -223,7 +226,8 @@ def train(task, args):
         state.next_epoch()
     if advice := noise.advice(state):
         accelerator.print(advice)
-    return tracker.finish(model, tokenizer=tokenizer, plan=plan, **eval_metrics)
+    initial = {f"initial_{k}": v for k, v in initial_eval.items()}
+    return tracker.finish(model, tokenizer=tokenizer, plan=plan, **eval_metrics, **initial)
 
 
 def main(argv=None):

@@ -81,3 +81,18 @@ def test_the_cache_never_keeps_a_model_with_fewer_layers(tmp_path, tiny_gguf_rea
     with first_layers_only(1):
         folder = bundled_smollm2_dir(cache_dir=tmp_path)
     assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == SMOLLM2_NUM_LAYERS
+
+
+def test_name_tagging_marks_mid_sentence_capitals_only():
+    """The token-classification default (issue 45): words lower-cased, punctuation kept as tokens, a word
+    written capitalised mid-sentence is B-NAME; a sentence's first word is O whatever its case."""
+    from ft_accum.data.offline_assets import load_proper_nouns, proper_noun_example
+
+    words, tags = proper_noun_example('Tony Blair met BT bosses. They said "the US economy" (in London) grew.')
+    assert words == ["tony", "blair", "met", "bt", "bosses", ".", "they", "said", "the", "us", "economy", "in",
+                     "london", "grew", "."]  # fmt: skip
+    named = [w for w, t in zip(words, tags) if t == "B-NAME"]
+    assert named == ["blair", "bt", "us", "london"]
+    data = load_proper_nouns()
+    assert all(not any(c.isupper() for c in w) for row in data["validation"]["tokens"][:200] for w in row)
+    assert 0.05 < sum(map(sum, data["train"]["name_tags"])) / sum(map(len, data["train"]["name_tags"])) < 0.2

@@ -304,6 +304,59 @@ def load_punctuation_restoration(words_per_example: int = 64, seed: int = 42) ->
     return datasets.DatasetDict(splits)
 
 
+NAME_TAGS = ("O", "B-NAME")
+_SENTENCE_END = (".", "!", "?")
+
+
+def proper_noun_example(text: str) -> tuple[list[str], list[str]]:
+    """(lower-cased words and punctuation marks, B-NAME for each word written capitalised mid-sentence).
+
+    "Tony Blair met BT bosses. They said" → (["tony", "blair", "met", "bt", "bosses", ".", "they", "said"],
+    ["B-NAME", "B-NAME", "O", "B-NAME", "O", "O", "O", "O"]). A capital mid-sentence marks a name (a
+    person, a place, a firm, a title): a word decides its own tag from what it means and its
+    context, as in named-entity recognition. The first word of a sentence is tagged O, whatever its
+    case, so that its tag cannot be read off the period before it.
+    """
+    words, tags, sentence_start = [], [], True
+    for raw in text.split():
+        core = raw.strip("\"'()[]")
+        word = core.rstrip(",.;:!?")
+        if word:
+            words.append(word.lower())
+            tags.append("B-NAME" if word[0].isupper() and not sentence_start else "O")
+            sentence_start = False
+        for mark in core[len(word) :]:
+            words.append(mark)
+            tags.append("O")
+            sentence_start = mark in _SENTENCE_END
+    return words, tags
+
+
+def load_proper_nouns(words_per_example: int = 64, seed: int = 42) -> datasets.DatasetDict:
+    """Name tagging on BBC News: which words of a lower-cased article were capitalised mid-sentence
+    (names of people, places, organisations): a real token-classification task built offline, as
+    named-entity recognition without the entity types. Articles are cut into examples of
+    `words_per_example` tokens; the split is `load_bbc_news`'s, by article. Columns: `tokens` and
+    `name_tags` (ClassLabel over NAME_TAGS)."""
+    news = load_bbc_news(seed=seed)
+    features = datasets.Features(
+        {
+            "tokens": datasets.Sequence(datasets.Value("string")),
+            "name_tags": datasets.Sequence(datasets.ClassLabel(names=list(NAME_TAGS))),
+        }
+    )
+    splits = {}
+    for split, articles in news.items():
+        rows = {"tokens": [], "name_tags": []}
+        for text in articles["text"]:
+            words, tags = proper_noun_example(" ".join(text.splitlines()[1:]))  # the body: the first line is the title
+            for start in range(0, len(words), words_per_example):
+                rows["tokens"].append(words[start : start + words_per_example])
+                rows["name_tags"].append([NAME_TAGS.index(t) for t in tags[start : start + words_per_example]])
+        splits[split] = datasets.Dataset.from_dict(rows, features=features)
+    return datasets.DatasetDict(splits)
+
+
 def title_and_body(text: str) -> tuple[str, list[str]]:
     """A BBC article file's title (its first line, stripped) and the words of its body (the rest)."""
     title, _, body = text.partition("\n")

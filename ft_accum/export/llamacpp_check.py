@@ -144,7 +144,10 @@ def compare_prompt(model, tokenizer, prompt, continuation: dict, near_tie: float
         agreed=0,
         prompt_tokens_hf=len(ids),
         prompt_tokens_llamacpp=continuation["prompt_tokens"],
-        text=tokenizer.decode(tokens),
+        # What a chat shows: the answer up to its end of turn (the comparison goes on past it, EOS ignored).
+        text=tokenizer.decode(
+            tokens[: tokens.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in tokens else tokens
+        ),
     )
     for position, (theirs, ours) in enumerate(zip(continuation["top1"], best)):
         if theirs == ours:
