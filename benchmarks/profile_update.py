@@ -66,7 +66,7 @@ def recipe_loop(model, loader, chunked: bool):
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     output_loss = OutputLoss(accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=chunked)
     window, state, nominal_tokens = (
-        AccumulationWindow(accelerator.device),
+        AccumulationWindow(accelerator.device, max_grad_norm=1.0),
         TrainingState(plan.effective),
         plan.micro * 64,
     )
@@ -77,7 +77,7 @@ def recipe_loop(model, loader, chunked: bool):
             window.add(loss_sum=loss_sum, items=num_tokens, samples=sequences, tokens=num_tokens)
             accelerator.backward(loss_sum / nominal_tokens)
             if accelerator.sync_gradients:
-                window.finish(accelerator, model, plan, nominal_tokens, 1.0, state)
+                window.finish(accelerator, model, plan=plan, nominal=nominal_tokens, state=state)
             optimizer.step()
             optimizer.zero_grad()
         if accelerator.sync_gradients:

@@ -269,7 +269,7 @@ def train(task, args):
     eval_metrics = initial_eval
     model.train()
     while state.epoch < schedule.num_epochs:
-        window = AccumulationWindow(accelerator.device)
+        window = AccumulationWindow(accelerator.device, max_grad_norm=args.max_grad_norm)
         for batch, is_padding in training_state.remaining_batches(
             accelerator, train_dataloader=train_dataloader, state=state, plan=plan
         ):
@@ -287,7 +287,7 @@ def train(task, args):
                     accelerator.backward(loss_sum / nominal_tokens)
                     noise.after_backward(accelerator, items=num_tokens, nominal_items=nominal_tokens, plan=plan)
                     if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the target tokens
-                        totals = window.finish(accelerator, model, plan, nominal_tokens, args.max_grad_norm, state)
+                        totals = window.finish(accelerator, model, plan=plan, nominal=nominal_tokens, state=state)
                     optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad()

@@ -290,7 +290,8 @@ def train(task, args):
             )  # fmt: skip
             for update in range(layout.passes):
                 u = update % layout.updates  # the update trains on completions [u·E, (u+1)·E)
-                window, logs = AccumulationWindow(accelerator.device), torch.zeros(4, device=accelerator.device)
+                window = AccumulationWindow(accelerator.device, max_grad_norm=args.max_grad_norm)
+                logs = torch.zeros(4, device=accelerator.device)
                 for k in layout.own[u]:  # this process's micro-batches of that update
                     batch = batches[k]
                     with accelerator.accumulate(model):
@@ -303,7 +304,7 @@ def train(task, args):
                         logs += torch.stack([(x * mask).sum() for x in (clipped.float(), entropy, kl, mask)])
                         accelerator.backward(loss_sum / nominal)
                         if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the update's items
-                            totals = window.finish(accelerator, model, plan, nominal, args.max_grad_norm, state)
+                            totals = window.finish(accelerator, model, plan=plan, nominal=nominal, state=state)
                         optimizer.step()
                         lr_scheduler.step()
                         optimizer.zero_grad()

@@ -294,7 +294,7 @@ def train(task, args):
     eval_metrics = initial_eval
     model.train()
     while state.epoch < schedule.num_epochs:
-        window = AccumulationWindow(accelerator.device)
+        window = AccumulationWindow(accelerator.device, max_grad_norm=args.max_grad_norm)
         rewards = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # chosen, rejected, correct, pairs
         batches = training_state.remaining_batches_with_window_totals(
             accelerator, train_dataloader, state, plan, count=pair_counts
@@ -314,7 +314,7 @@ def train(task, args):
                     rewards += terms.reward_sums() * bool(pairs)
                     accelerator.backward(loss_sum / nominal_pairs)
                     if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the window's pairs
-                        totals = window.finish(accelerator, model, plan, nominal_pairs, args.max_grad_norm, state)
+                        totals = window.finish(accelerator, model, plan=plan, nominal=nominal_pairs, state=state)
                     optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad()

@@ -186,7 +186,7 @@ def train(task, args):
     eval_metrics = initial_eval  # until an epoch ends
     model.train()
     while state.epoch < schedule.num_epochs:
-        window = AccumulationWindow(accelerator.device)
+        window = AccumulationWindow(accelerator.device, max_grad_norm=args.max_grad_norm)
         for batch, is_padding in training_state.remaining_batches(
             accelerator, train_dataloader=train_dataloader, state=state, plan=plan
         ):
@@ -204,7 +204,7 @@ def train(task, args):
                     accelerator.backward(loss_sum / plan.micro)
                     noise.after_backward(accelerator, items=samples, nominal_items=plan.micro, plan=plan)
                     if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the true sample count
-                        totals = window.finish(accelerator, model, plan, plan.micro, args.max_grad_norm, state)
+                        totals = window.finish(accelerator, model, plan=plan, nominal=plan.micro, state=state)
                     optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad()

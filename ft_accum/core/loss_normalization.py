@@ -148,9 +148,10 @@ class AccumulationWindow:
     sync per update) and rescales by c·N·P/T (`window_gradient_scale`) before clipping.
     """
 
-    def __init__(self, device):
+    def __init__(self, device, max_grad_norm: float | None = None):
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, items, samples, tokens
         self.micro_losses: list[torch.Tensor] = []  # to name the micro-batch if the loss turns non-finite
+        self.max_grad_norm = max_grad_norm  # clipped to at finish(); None or 0: not clipped
 
     @property
     def is_empty(self) -> bool:
@@ -166,10 +167,11 @@ class AccumulationWindow:
         self.sums[3] += tokens
         self.micro_losses.append(loss_sum.detach())
 
-    def finish(self, accelerator, model, plan, nominal_items: float, max_grad_norm: float, state) -> WindowTotals:
+    def finish(self, accelerator, model, *, plan, nominal: float, state) -> WindowTotals:
         """At the sync step, before `optimizer.step()`: stop on a non-finite loss (not in fp16, whose
         overflow the grad scaler skips), rescale to the window mean, clip. Empties the window.
-        `state` (a TrainingState) names the update and the last checkpoint in the error."""
+        `nominal`: the constant each micro-batch's summed loss was divided by before backward (c in
+        c·N·P/T). `state` (a TrainingState) names the update and the last checkpoint in the error."""
         loss_total, items, samples, tokens = accelerator.reduce(self.sums, reduction="sum").tolist()
         if accelerator.mixed_precision != "fp16":
             check_finite_window(
@@ -179,10 +181,8 @@ class AccumulationWindow:
                 accelerator.process_index,
                 state.last_checkpoint,
             )
-        scale_gradients_(
-            model.parameters(), window_gradient_scale(items, nominal_items, plan.accumulation, plan.processes)
-        )
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+        scale_gradients_(model.parameters(), window_gradient_scale(items, nominal, plan.accumulation, plan.processes))
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm or float("inf"))
         totals = WindowTotals(loss_total / items, items, samples, tokens, float(grad_norm), len(self.micro_losses))
         self.sums.zero_()
         self.micro_losses.clear()
