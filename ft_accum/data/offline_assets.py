@@ -285,21 +285,28 @@ def load_punctuation_restoration(words_per_example: int = 64, seed: int = 42) ->
     `words_per_example` words; the train/validation split is the one of `load_bbc_news`, by article.
     Columns: `tokens` and `punct_tags` (a sequence of ClassLabel over PUNCTUATION_TAGS).
     """
+    return _bbc_tagging("punct_tags", PUNCTUATION_TAGS, punctuation_example, words_per_example, seed)
+
+
+def _bbc_tagging(column: str, tag_names: tuple[str, ...], example, words_per_example: int, seed: int):
+    """A token-classification DatasetDict from BBC News bodies: `example(body)` gives (words, tags), cut
+    into rows of `words_per_example`; columns `tokens` and `column` (ClassLabel over `tag_names`); the
+    split is `load_bbc_news`'s, by article."""
     news = load_bbc_news(seed=seed)
     features = datasets.Features(
         {
             "tokens": datasets.Sequence(datasets.Value("string")),
-            "punct_tags": datasets.Sequence(datasets.ClassLabel(names=list(PUNCTUATION_TAGS))),
+            column: datasets.Sequence(datasets.ClassLabel(names=list(tag_names))),
         }
     )
     splits = {}
     for split, articles in news.items():
-        rows = {"tokens": [], "punct_tags": []}
+        rows = {"tokens": [], column: []}
         for text in articles["text"]:
-            words, tags = punctuation_example(" ".join(text.splitlines()[1:]))  # the body: the first line is the title
+            words, tags = example(" ".join(text.splitlines()[1:]))  # the body: the first line is the title
             for start in range(0, len(words), words_per_example):
                 rows["tokens"].append(words[start : start + words_per_example])
-                rows["punct_tags"].append([PUNCTUATION_TAGS.index(t) for t in tags[start : start + words_per_example]])
+                rows[column].append([tag_names.index(t) for t in tags[start : start + words_per_example]])
         splits[split] = datasets.Dataset.from_dict(rows, features=features)
     return datasets.DatasetDict(splits)
 
@@ -338,23 +345,7 @@ def load_proper_nouns(words_per_example: int = 64, seed: int = 42) -> datasets.D
     named-entity recognition without the entity types. Articles are cut into examples of
     `words_per_example` tokens; the split is `load_bbc_news`'s, by article. Columns: `tokens` and
     `name_tags` (ClassLabel over NAME_TAGS)."""
-    news = load_bbc_news(seed=seed)
-    features = datasets.Features(
-        {
-            "tokens": datasets.Sequence(datasets.Value("string")),
-            "name_tags": datasets.Sequence(datasets.ClassLabel(names=list(NAME_TAGS))),
-        }
-    )
-    splits = {}
-    for split, articles in news.items():
-        rows = {"tokens": [], "name_tags": []}
-        for text in articles["text"]:
-            words, tags = proper_noun_example(" ".join(text.splitlines()[1:]))  # the body: the first line is the title
-            for start in range(0, len(words), words_per_example):
-                rows["tokens"].append(words[start : start + words_per_example])
-                rows["name_tags"].append([NAME_TAGS.index(t) for t in tags[start : start + words_per_example]])
-        splits[split] = datasets.Dataset.from_dict(rows, features=features)
-    return datasets.DatasetDict(splits)
+    return _bbc_tagging("name_tags", NAME_TAGS, proper_noun_example, words_per_example, seed)
 
 
 def title_and_body(text: str) -> tuple[str, list[str]]:
