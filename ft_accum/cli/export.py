@@ -71,21 +71,17 @@ def export_command(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     run_dir = Path(args.run_dir)
     final = source_model.final_dir(run_dir)  # a missing final/ fails before any model loads
-    run = source_model.run_record(run_dir, model_card.RUN_CONFIG_FILE)
+    run = model_card.read_record(run_dir, model_card.RUN_CONFIG_FILE)
     recipe = run.get("recipe") or final.parent.name
     output = Path(args.output) if args.output else default_output(run_dir, recipe, args.outtype)
     if output.exists() and not args.overwrite:
         raise ConfigError(f"{output} already exists; pass --overwrite to replace it, or choose another --output")
     if args.verify_tokens < 1:
         raise ConfigError(f"--verify_tokens must be ≥ 1, got {args.verify_tokens}")
-    from transformers import AutoConfig
+    from transformers import AutoTokenizer
 
-    if not (final / "adapter_config.json").is_file():  # a full model's architecture is known before loading it
-        gguf_file.check_supported(AutoConfig.from_pretrained(final))
-
-    source = source_model.load_source_model(run_dir, base_model=args.base_model)
-    model = source.model
-    gguf_file.check_supported(model.config)
+    source = source_model.load_source_model(run_dir, base_model=args.base_model)  # refuses other architectures
+    model, tokenizer = source.model, AutoTokenizer.from_pretrained(source.tokenizer_dir)
     print(f"exporting {source.note}")
     gguf_vocab = vocab.read_vocab(source.tokenizer_dir, model.config.vocab_size)
     gguf_file.write_gguf(
@@ -101,12 +97,12 @@ def export_command(args: argparse.Namespace) -> int:
     print(f"wrote {output} ({args.outtype}, {size_mb:.1f} MB, tokenizer {gguf_vocab.model}/{gguf_vocab.pre}) "
           f"in {time.perf_counter() - started:.1f} s")  # fmt: skip
 
-    modelfile = write_modelfile(output, source, gguf_vocab, model, args.system_prompt, run_dir)
+    modelfile = write_modelfile(output, tokenizer, gguf_vocab, model, args.system_prompt, run_dir)
     print(f"wrote {modelfile}; create the Ollama model with: ollama create {recipe} -f {modelfile}")
 
     verification, passed = "not checked (--no_verify)", True
     if args.verify:
-        verification, passed = verify(output, model, source, args)
+        verification, passed = verify(output, model, tokenizer, args)
     model_card.record_export(
         run_dir,
         {
@@ -125,12 +121,10 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_modelfile(output: Path, source, gguf_vocab, model, system_prompt: str | None, run_dir: Path) -> Path:
-    from transformers import AutoTokenizer
+def write_modelfile(output: Path, tokenizer, gguf_vocab, model, system_prompt: str | None, run_dir: Path) -> Path:
+    from ft_accum.export import ollama
+    from ft_accum.training import model_card
 
-    from ft_accum.export import ollama, source_model
-
-    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
     template, why_not, parts = ollama.ollama_template(tokenizer, strip_bos=gguf_vocab.add_bos)
     if template is None:
         print(f"warning: no Ollama TEMPLATE written: {why_not} (the Modelfile says so)")
@@ -138,19 +132,16 @@ def write_modelfile(output: Path, source, gguf_vocab, model, system_prompt: str 
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     stops = ollama.stop_tokens(tokenizer, tail, eos if isinstance(eos, list) else [eos])
     if system_prompt is None:
-        system_prompt = source_model.run_record(run_dir, "all_results.json").get("train_system_prompt")
+        system_prompt = model_card.read_record(run_dir, "all_results.json").get("train_system_prompt")
     modelfile = output.with_suffix(".Modelfile")
     modelfile.write_text(ollama.modelfile_text(output.name, template, why_not, stops, system_prompt))
     return modelfile
 
 
-def verify(output: Path, model, source, args) -> tuple[str, bool]:
+def verify(output: Path, model, tokenizer, args) -> tuple[str, bool]:
     """The llama.cpp check where xllamacpp is installed, else transformers' round trip; (summary, passed)."""
-    from transformers import AutoTokenizer
-
     from ft_accum.export import llamacpp_check
 
-    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
     if llamacpp_check.llamacpp_available():
         result = llamacpp_check.check_in_llamacpp(
             output, model, tokenizer, outtype=args.outtype, num_tokens=args.verify_tokens

