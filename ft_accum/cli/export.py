@@ -83,7 +83,7 @@ def export_command(args: argparse.Namespace) -> int:
     source = source_model.load_source_model(run_dir, base_model=args.base_model)  # refuses other architectures
     model, tokenizer = source.model, AutoTokenizer.from_pretrained(source.tokenizer_dir)
     print(f"exporting {source.note}")
-    gguf_vocab = vocab.read_vocab(source.tokenizer_dir, model.config.vocab_size)
+    gguf_vocab = vocab.read_vocab(tokenizer, source.tokenizer_dir, model.config.vocab_size)
     gguf_file.write_gguf(
         model.state_dict(),
         model.config,

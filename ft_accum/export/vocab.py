@@ -82,11 +82,10 @@ def is_sentencepiece_bpe(tokenizer_json: dict) -> bool:
     return model.get("type") == "BPE" and bool(model.get("byte_fallback"))
 
 
-def read_vocab(tokenizer_dir: Path, vocab_size: int) -> GGUFVocab:
-    """The GGUF vocabulary of the tokenizer saved in `tokenizer_dir` (tokenizer.json and its config),
+def read_vocab(tokenizer, tokenizer_dir: Path, vocab_size: int) -> GGUFVocab:
+    """The GGUF vocabulary of `tokenizer`, as saved in `tokenizer_dir` (tokenizer.json and its config),
     padded with unused tokens to the model's `vocab_size` (its embedding rows)."""
     import gguf
-    from transformers import AutoTokenizer
 
     tokenizer_file = Path(tokenizer_dir) / "tokenizer.json"
     if not tokenizer_file.is_file():
@@ -95,7 +94,6 @@ def read_vocab(tokenizer_dir: Path, vocab_size: int) -> GGUFVocab:
             "(tokenizer.save_pretrained)"
         )
     tokenizer_json = json.loads(tokenizer_file.read_text(encoding="utf-8"))
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if tokenizer_json.get("model", {}).get("type") != "BPE":
         raise ConfigError(
             f"the tokenizer in {tokenizer_dir} is a {tokenizer_json.get('model', {}).get('type')} model; GGUF export "
