@@ -312,7 +312,7 @@ def train(task, args):
                 columns = generation_round.update_metrics(
                     accelerator, scored, per_function, rows, completions, logs, functions
                 )
-                if tracker.end_update(totals, plan, lr_scheduler, batches_per_epoch, **columns):
+                if tracker.end_update(totals, plan, lr_scheduler, batches_per_epoch=batches_per_epoch, **columns):
                     done = True
                     break
             if done:

@@ -201,11 +201,13 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, 
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50)), "eval_exact_match": hits / max(count, 1)}
 
 
-def banner_rows(task, model, tokenized, train_rows, loss_path: str, effective_batch_size: int) -> dict:
-    """The banner's lines about the data: conversations, packing, the loss's denominator, truncation."""
+def describe_data(task, model, tokenized, train_rows, loss_path: str, effective_batch_size: int):
+    """For the banner: its lines about the data (conversations, packing, the loss's denominator,
+    truncation), the mean tokens per training row, and what a row is."""
     train_chats = tokenized["train"]
+    mean_tokens = sum(len(r["input_ids"]) for r in train_rows) / len(train_rows)
     answers = sum(sum(label != -100 for label in row["labels"]) for row in train_rows) / len(train_rows)
-    return {
+    rows = {
         "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None),
         "conversations": f"{len(train_chats.rows)} train / {len(tokenized['validation'].rows)} eval"
         + (f", packed into {len(train_rows)} rows" if task.packing else ""),
@@ -214,6 +216,7 @@ def banner_rows(task, model, tokenized, train_rows, loss_path: str, effective_ba
         + (f", {train_chats.dropped} dropped (no assistant token left)" if train_chats.dropped else ""),
         "loss": loss_path,
     }
+    return rows, mean_tokens, "packed rows" if task.packing else "conversations"
 
 
 def save_extras(task, accelerator, model, tokenizer, output_dir) -> dict:
@@ -252,9 +255,7 @@ def train(task, args):
         accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
     )
     train_chats, train_rows = tokenized["train"], train_dataloader.dataset  # rows: conversations, or packed rows
-    rows = banner_rows(task, model, tokenized, train_rows, output_loss.path, plan.effective)
-    mean_tokens = sum(len(r["input_ids"]) for r in train_rows) / len(train_rows)
-    unit = "packed rows" if task.packing else "conversations"
+    rows, mean_tokens, unit = describe_data(task, model, tokenized, train_rows, output_loss.path, plan.effective)
     accelerator.print(run_setup.run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, unit,
                                            model=model, optimizer=optimizer))  # fmt: skip
 
@@ -279,7 +280,7 @@ def train(task, args):
         ):
             if window.is_empty:  # a window starts: an accumulation schedule may change its size
                 plan = schedule.at_window_start(
-                    accelerator, optimizer, lr_scheduler, plan, state, noise.in_samples(state)
+                    accelerator, optimizer, lr_scheduler, plan, state, measured_noise_scale=noise.in_samples(state)
                 )
             try:
                 with accelerator.accumulate(model):
@@ -302,7 +303,9 @@ def train(task, args):
             if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
                 advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
                 columns = noise.at_sync(accelerator, totals=totals, state=state)
-                if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), advance, **columns):
+                if tracker.end_update(
+                    totals, plan, lr_scheduler, batches_per_epoch=len(train_dataloader), lr_steps=advance, **columns
+                ):
                     break
         if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
             continue

@@ -324,7 +324,7 @@ def train(task, args):
 
             if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
                 columns = reward_columns(accelerator, rewards)
-                if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), **columns):
+                if tracker.end_update(totals, plan, lr_scheduler, batches_per_epoch=len(train_dataloader), **columns):
                     break
         if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
             continue

@@ -192,7 +192,7 @@ def train(task, args):
         ):
             if window.is_empty:  # a window starts: an accumulation schedule may change its size
                 plan = schedule.at_window_start(
-                    accelerator, optimizer, lr_scheduler, plan, state, noise.in_samples(state)
+                    accelerator, optimizer, lr_scheduler, plan, state, measured_noise_scale=noise.in_samples(state)
                 )
             try:
                 with accelerator.accumulate(model):
@@ -215,7 +215,9 @@ def train(task, args):
             if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
                 advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
                 columns = noise.at_sync(accelerator, totals=totals, state=state)
-                if tracker.end_update(totals, plan, lr_scheduler, len(train_dataloader), advance, **columns):
+                if tracker.end_update(
+                    totals, plan, lr_scheduler, batches_per_epoch=len(train_dataloader), lr_steps=advance, **columns
+                ):
                     break
         if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
             continue

@@ -286,7 +286,7 @@ class AccumulationScheduler:
             self.lr_scheduler_type, optimizer, self.num_warmup_steps, self.num_update_steps, self.processes
         )
 
-    def at_window_start(self, accelerator, optimizer, lr_scheduler, plan, state, measured_noise_scale):
+    def at_window_start(self, accelerator, optimizer, lr_scheduler, plan, state, *, measured_noise_scale):
         """The plan of the window about to start; a change re-applies --lr_scaling to the new effective batch."""
         if self.schedule is None:
             return plan

@@ -317,20 +317,25 @@ class RunTracker:
         totals: WindowTotals,
         plan: BatchPlan,
         lr_scheduler,
+        *,
         batches_per_epoch: int,
-        scheduler_steps: int = 1,
+        lr_steps: int = 1,
         **columns: Any,
     ) -> bool:
         """Count the update, log its record (`columns` are extra metrics.jsonl columns), checkpoint when due
-        or when a signal asks to stop (which then ends the process). True after the last update."""
+        or when a signal asks to stop (which then ends the process). True after the last update.
+
+        `batches_per_epoch` (this epoch's micro-batches per process) gives the record's fractional epoch;
+        `lr_steps` is how many LR-scheduler steps the update took (more than 1 when an adaptive
+        accumulation schedule catches the LR up, `AccumulationScheduler.catch_up_lr`)."""
         state, settings = self.state, self.settings
         skipped = self.accelerator.optimizer_step_was_skipped
-        state.complete_update(totals, plan, skipped, scheduler_steps, settings.max_consecutive_skipped_updates)
+        state.complete_update(totals, plan, skipped, lr_steps, settings.max_consecutive_skipped_updates)
         collective_timeout.POSITION.updates_done = state.step
         record = state.record(
             totals, plan, float(lr_scheduler.get_last_lr()[0]), self.clock.lap(), batches_per_epoch, **columns
         )
-        log_update(self.accelerator, settings.output_dir, record, self.progress, scheduler_steps)
+        log_update(self.accelerator, settings.output_dir, record, self.progress, lr_steps)
         stopping = self.stop is not None and self.stop.requested(self.accelerator)
         if stopping or (settings.checkpointing_steps and state.step % settings.checkpointing_steps == 0):
             with self.clock.paused(), collective_timeout.phase("save"):
