@@ -55,7 +55,7 @@ def plan_command(args: argparse.Namespace) -> int:
 def sweep_command(args: argparse.Namespace) -> int:
     from ft_accum.cli.sweep import run_sweep
 
-    state = run_sweep(args.sweep_file, dry_run=args.dry_run, time_budget=args.time_budget)
+    state = run_sweep(args.sweep_file, dry_run=args.dry_run, time_budget=args.time_budget, worker=args.worker)
     return 1 if any(r["status"] == "failed" for r in state["runs"].values()) else 0
 
 
@@ -267,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--time_budget",
         default=None,
         help="e.g. 8h: start no run that would not finish in the time left (estimated from finished runs)",
+    )
+    sweep_parser.add_argument(
+        "--worker",
+        action="store_true",
+        help="a search only: one of several sweeps (GPUs, machines, a SLURM array) sharing the study's storage",
     )
     sweep_parser.set_defaults(handler=sweep_command)
 

@@ -117,13 +117,10 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
     spec = read_yaml(path)
     if not isinstance(spec, dict):
         raise ConfigError(f"{path} must hold a mapping (recipe, accelerate_config, base, grid or runs)")
-    unknown = sorted(
-        set(spec) - {"recipe", "accelerate_config", "output_dir", "base", "grid", "runs", "timeout_per_run"}
-    )
+    keys = ("recipe", "accelerate_config", "output_dir", "base", "grid", "runs", "search", "timeout_per_run")
+    unknown = sorted(set(spec) - set(keys))
     if unknown:
-        raise ConfigError(
-            f"{path}: unknown key(s) {', '.join(unknown)}; valid: recipe, accelerate_config, output_dir, base, grid, runs, timeout_per_run"
-        )
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(keys)}")
     if "recipe" not in spec:
         raise ConfigError(f"{path} names no recipe; add e.g. `recipe: text_classification`")
     recipe = recipe_path(str(spec["recipe"]), path)
@@ -136,8 +133,10 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
     base = spec.get("base") or {}
     if not isinstance(base, dict):
         raise ConfigError(f"{path}: base must be a mapping of setting: value, got {type(base).__name__}")
-    if "grid" in spec and "runs" in spec:
-        raise ConfigError(f"{path} has both grid and runs; give one")
+    if sum(k in spec for k in ("grid", "runs", "search")) > 1:
+        raise ConfigError(f"{path} has more than one of grid, runs and search; give one")
+    if "search" in spec:
+        return _load_search_sweep(spec, path, recipe, accelerate_config, base)
     if "grid" in spec:
         grid = spec["grid"] or {}
         if not isinstance(grid, dict):
@@ -156,13 +155,7 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{path} has neither grid nor runs; add e.g. `grid: {{learning_rate: [1e-5, 3e-5]}}`")
     valid = recipe_settings(recipe)
     for variant in [base, *variants]:
-        bad = sorted(set(variant) - set(valid))
-        if bad:
-            raise ConfigError(
-                f"{path}: {', '.join(bad)} is not a setting of {recipe.name}; valid: {', '.join(sorted(valid))}"
-            )
-        for key, value in variant.items():  # a wrong type fails here, not as a failed run hours later
-            typed_value(value, valid[key], f"{path}: {key}")
+        _check_settings(variant, valid, recipe, path)
     if any("output_dir" in v or "resume_from_checkpoint" in v for v in [base, *variants]):
         raise ConfigError(f"{path}: the sweep sets output_dir and resume_from_checkpoint itself; remove them")
     varied = sorted({k for v in variants for k in v})
@@ -184,6 +177,37 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
     }
 
 
+def _load_search_sweep(spec: dict, path: Path, recipe: Path, accelerate_config: str | None, base: dict) -> dict:
+    from ft_accum.cli.search import load_search
+
+    valid = recipe_settings(recipe)
+    _check_settings(base, valid, recipe, path)
+    search = load_search(spec["search"], path, recipe, valid)
+    if "output_dir" in base or "resume_from_checkpoint" in base:
+        raise ConfigError(f"{path}: the sweep sets output_dir and resume_from_checkpoint itself; remove them")
+    return {
+        "path": str(path.resolve()),
+        "recipe": str(recipe),
+        "accelerate_config": accelerate_config,
+        "base": base,
+        "search": search,
+        "runs": [],
+        "varied": sorted(search["space"]),
+        "output_dir": str(spec.get("output_dir") or Path("outputs") / "sweeps" / path.stem),
+        "timeout_per_run": parse_duration(spec.get("timeout_per_run")),
+    }
+
+
+def _check_settings(variant: dict, valid: dict, recipe: Path, path: Path) -> None:
+    bad = sorted(set(variant) - set(valid))
+    if bad:
+        raise ConfigError(
+            f"{path}: {', '.join(bad)} is not a setting of {recipe.name}; valid: {', '.join(sorted(valid))}"
+        )
+    for key, value in variant.items():  # a wrong type fails here, not as a failed run hours later
+        typed_value(value, valid[key], f"{path}: {key}")
+
+
 def run_name(variant: dict[str, Any], varied: list[str]) -> str:
     """`lr=3e-05_ebs=32`: readable, and stable across invocations (made from the settings, not the order)."""
     parts = [f"{SHORT_NAMES.get(k, k)}={variant[k]}" for k in varied if k in variant]
@@ -192,8 +216,9 @@ def run_name(variant: dict[str, Any], varied: list[str]) -> str:
 
 
 def command_for(sweep: dict, run: dict, run_dir: Path) -> list[str]:
-    """The real `accelerate launch` command line: a list, never a shell string."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch"]
+    """The real `accelerate launch` command line, through `ft-accum launch` (Accelerate's own launch,
+    which also waits for the recipe's checkpoint at a stop signal): a list, never a shell string."""
+    launch = [sys.executable, "-m", "ft_accum.cli.main", "launch"]
     if sweep["accelerate_config"]:
         launch += ["--config_file", sweep["accelerate_config"]]
     args = [f"--{k}={v}" for k, v in run["args"].items()]
@@ -297,6 +322,75 @@ def kill_run(process: subprocess.Popen) -> None:
     process.wait()
 
 
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the sweep dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG).
+    `ft-accum launch` passes it to the recipe, which finishes its update and leaves a checkpoint, so a
+    run is never left training for a sweep that is gone (the next sweep resumes it)."""
+    os.setsid()  # a session of its own: Ctrl-C at the sweep's terminal is the sweep's to handle
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: a killed sweep leaves the run going
+        pass
+
+
+def launch_and_watch(
+    command: list[str], run_dir: Path, timeout: float | None, watch
+) -> tuple[int | None, float, bool]:
+    """Run `command` with its output appended to run_dir/log.txt, calling `watch(process, began)` about
+    twice a second; return (exit code, wall seconds, timed out). A run past `timeout` is killed.
+
+    On any exception in the sweep (Ctrl-C, a SIGTERM to the sweep, an error in `watch`) the run is
+    sent SIGTERM and waited for, so it stops at a checkpoint, and the exception goes on."""
+    began = time.monotonic()
+    with open(run_dir / "log.txt", "a") as log:
+        log.write(f"\n$ {' '.join(command)}\n")
+        log.flush()
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_stop_with_parent)
+        try:
+            while process.poll() is None:
+                if timeout and time.monotonic() - began > timeout:
+                    kill_run(process)
+                    return process.returncode, time.monotonic() - began, True
+                watch(process, began)
+                time.sleep(0.5)
+        except BaseException:
+            stop_gracefully(process)
+            raise
+        finally:
+            if sys.stdout.isatty():  # end the live progress line
+                print(flush=True)
+    return process.returncode, time.monotonic() - began, False
+
+
+def stop_gracefully(process: subprocess.Popen, grace_seconds: float = 600) -> None:
+    """SIGTERM to the run's launcher (`ft-accum launch` passes it on and waits for the checkpoint);
+    SIGKILL to the whole tree if it is not done in `grace_seconds`."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=grace_seconds)
+    except subprocess.TimeoutExpired:
+        kill_run(process)
+
+
+class ProgressLine:
+    """One live line on a terminal; in a log file, a line per new update at most every 30 s."""
+
+    def __init__(self):
+        self.last_update, self.last_print, self.interactive = -1, 0.0, sys.stdout.isatty()
+
+    def show(self, update: int, line: str) -> None:
+        if self.interactive:
+            print("\r" + line.ljust(110), end="", flush=True)
+        elif update != self.last_update and time.monotonic() - self.last_print >= 30:
+            print(line, flush=True)
+            self.last_update, self.last_print = update, time.monotonic()
+
+
 def error_line(log: Path) -> str:
     """The recipe's `error: ...` line, else the last line that names an exception, else the log's last line."""
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
@@ -309,9 +403,17 @@ def error_line(log: Path) -> str:
     return lines[-1] if lines else "(empty log)"
 
 
-def run_sweep(sweep_file: str, dry_run: bool = False, time_budget: str | None = None) -> dict:
-    """Run (or resume) every run of the sweep; return the final state."""
+def run_sweep(sweep_file: str, dry_run: bool = False, time_budget: str | None = None, worker: bool = False) -> dict:
+    """Run (or resume) every run of the sweep, or its search's trials; return the final state."""
     sweep = load_sweep(sweep_file)
+    if sweep.get("search"):
+        from ft_accum.cli.search import run_search
+
+        if time_budget:
+            raise ConfigError("--time_budget applies to a grid or a list of runs; a search ends at its n_trials")
+        return run_search(sweep, worker=worker, dry_run=dry_run)
+    if worker:
+        raise ConfigError(f"--worker shares an Optuna study between sweeps; {sweep_file} has no search: section")
     budget = parse_duration(time_budget)
     output_dir = Path(sweep["output_dir"])
     if dry_run:
@@ -376,37 +478,20 @@ def _run_once(sweep: dict, name: str, args: dict, output_dir: Path, position: in
     command = command_for(sweep, {"args": args}, run_dir)
     record.update(status="running", attempts=record["attempts"] + 1, command=command, log=str(run_dir / "log.txt"))
     write_state(output_dir, state)
-    began = time.monotonic()
-    with open(run_dir / "log.txt", "a") as log:
-        log.write(f"\n$ {' '.join(command)}\n")
-        log.flush()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        last_update, last_print, interactive = -1, 0.0, sys.stdout.isatty()
-        metrics = run_dir / "metrics.jsonl"
-        first_update = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-        try:
-            while process.poll() is None:
-                if sweep["timeout_per_run"] and time.monotonic() - began > sweep["timeout_per_run"]:
-                    kill_run(process)
-                    break
-                update, line = _summary(state, name, run_dir, position, total, began, first_update)
-                # One live line on a terminal; in a log file, a line per new update at most every 30 s.
-                if interactive:
-                    print("\r" + line.ljust(110), end="", flush=True)
-                elif update != last_update and time.monotonic() - last_print >= 30:
-                    print(line, flush=True)
-                    last_update, last_print = update, time.monotonic()
-                time.sleep(1)
-            if interactive:
-                print(flush=True)
-        except BaseException:
-            kill_run(process)  # Ctrl-C or a kill of the sweep: no orphan keeps the GPU
-            record["status"] = "interrupted"
-            write_state(output_dir, state)
-            raise
-    wall = time.monotonic() - began
-    timed_out = process.returncode is None or (sweep["timeout_per_run"] and wall > sweep["timeout_per_run"])
-    finished = (run_dir / "all_results.json").exists() and process.returncode == 0
+    metrics = run_dir / "metrics.jsonl"
+    first_update = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    progress = ProgressLine()
+
+    def watch(process, began):
+        progress.show(*_summary(state, name, run_dir, position, total, began, first_update))
+
+    try:
+        returncode, wall, timed_out = launch_and_watch(command, run_dir, sweep["timeout_per_run"], watch)
+    except BaseException:
+        record["status"] = "interrupted"
+        write_state(output_dir, state)
+        raise
+    finished = (run_dir / "all_results.json").exists() and returncode == 0
     record["wall_seconds"] = record.get("wall_seconds", 0.0) + wall
     if finished:
         record["status"] = "replanned" if record["replanned"] else "ok"

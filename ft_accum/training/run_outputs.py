@@ -1,6 +1,7 @@
 """What every recipe writes to --output_dir, and the checks every recipe makes at start-up.
 
 - `metrics.jsonl`: one JSON object per optimizer update, appended as the run goes.
+- `eval_metrics.jsonl`: one JSON object per evaluation (epoch, step, the eval metrics).
 - `final/`: `save_pretrained` output, written to a temporary folder and renamed (complete or absent).
 """
 
@@ -17,6 +18,8 @@ import torch
 
 from ft_accum.core.errors import ConfigError
 from ft_accum.training.checkpointing import check_finite_parameters
+
+EVAL_METRICS_FILE = "eval_metrics.jsonl"
 
 
 def resolve_report_to(report_to: str) -> str | None:
@@ -131,7 +134,7 @@ def prepare_output_dir(
     if overwrite:
         for name in ("checkpoints", "final", "final_merged"):
             shutil.rmtree(path / name, ignore_errors=True)
-        for name in ("metrics.jsonl", "all_results.json"):
+        for name in ("metrics.jsonl", EVAL_METRICS_FILE, "all_results.json"):
             (path / name).unlink(missing_ok=True)
 
 
@@ -191,11 +194,12 @@ def append_metrics(output_dir: Path, record: dict[str, Any]) -> None:
 
 
 def truncate_metrics(output_dir: Path, last_step: int) -> None:
-    """Keep the lines up to `last_step`: on resume, the updates after the checkpoint run again."""
-    path = Path(output_dir) / "metrics.jsonl"
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-        path.write_text("".join(line + "\n" for line in kept))
+    """Keep the lines up to `last_step`, of metrics.jsonl and eval_metrics.jsonl: on resume, the
+    updates (and evaluations) after the checkpoint run again."""
+    for path in (Path(output_dir) / "metrics.jsonl", Path(output_dir) / EVAL_METRICS_FILE):
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+            path.write_text("".join(line + "\n" for line in kept))
 
 
 def save_final(accelerator, model, tokenizer, output_dir: Path, name: str = "final") -> Path:
@@ -256,13 +260,18 @@ def log_update(accelerator, output_dir: Path, record: dict[str, Any], progress, 
 
 
 def log_evaluation(accelerator, epoch: int, step: int, metrics: dict[str, Any]) -> None:
-    """The epoch's evaluation: one printed line and the tracker; text values (an example output) printed apart."""
+    """The epoch's evaluation: one printed line, the tracker, and a line of `eval_metrics.jsonl` in the
+    output folder (what `ft-accum sweep`'s search reads as the run goes; metrics.jsonl keeps one line
+    per update). Text values (an example output) are printed apart."""
     numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
     accelerator.print(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in numbers.items()))
     for key, value in metrics.items():
         if key not in numbers:
             accelerator.print(f"  {key}: {value!r}")
     accelerator.log(numbers, step=step)
+    if accelerator.is_main_process and accelerator.project_dir:
+        with open(Path(accelerator.project_dir) / EVAL_METRICS_FILE, "a") as f:
+            f.write(json.dumps({"epoch": epoch, "step": step, **numbers}) + "\n")
 
 
 def write_results(

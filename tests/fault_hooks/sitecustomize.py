@@ -128,18 +128,20 @@ if os.environ.get("FT_ACCUM_TEST_SKIP_COLLECTIVE") and os.environ.get("RANK") ==
     ):
         setattr(_dist, _name, _skipping(getattr(_dist, _name)))
 
-# FT_ACCUM_SLOW_UPDATE_SECONDS=0.2: every SGD step sleeps that long first, so a short run lasts long
-# enough for a signal to land mid-run; the updates themselves are unchanged.
+# FT_ACCUM_SLOW_UPDATE_SECONDS=0.2: every SGD or AdamW step sleeps that long first, so a short run lasts
+# long enough for a signal to land mid-run; the updates themselves are unchanged.
 if float(os.environ.get("FT_ACCUM_SLOW_UPDATE_SECONDS", "0")):
     import torch as _torch
 
-    _step = _torch.optim.SGD.step
+    def _slowed(step):
+        def _slow_step(self, *args, **kwargs):
+            time.sleep(float(os.environ["FT_ACCUM_SLOW_UPDATE_SECONDS"]))
+            return step(self, *args, **kwargs)
 
-    def _slow_step(self, *args, **kwargs):
-        time.sleep(float(os.environ["FT_ACCUM_SLOW_UPDATE_SECONDS"]))
-        return _step(self, *args, **kwargs)
+        return _slow_step
 
-    _torch.optim.SGD.step = _slow_step
+    for _optimizer in (_torch.optim.SGD, _torch.optim.AdamW):
+        _optimizer.step = _slowed(_optimizer.step)
 
 if os.environ.get("FT_ACCUM_TEST_OOM_ABOVE_ROWS") and sys.argv[0].endswith("text_classification.py"):
     import torch as _torch

@@ -1,0 +1,267 @@
+"""`ft-accum sweep` with a `search:` section: an Optuna study of real `accelerate launch` runs, on CPU."""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from conftest import CPU_CONFIG, FAULT_HOOKS, ROOT
+
+from ft_accum.cli import search as search_module
+from ft_accum.cli.main import build_parser
+from ft_accum.cli.main import main as cli_main
+
+optuna = pytest.importorskip("optuna")
+
+TINY = {
+    "max_seq_length": 48,
+    "lr_scaling": "none",
+    "num_warmup_steps": 0,
+    "weight_decay": 0.0,
+    "num_train_epochs": 3,
+    "report_to": "none",
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 2,
+}
+
+
+def write_search(tmp_path, tiny_model_dir, data_files, base=None, **search):
+    path = tmp_path / "search.yaml"
+    spec = {
+        "recipe": "text_classification",
+        "accelerate_config": str(CPU_CONFIG),
+        "output_dir": str(tmp_path / "search_out"),
+        "base": {
+            **TINY,
+            "model_name_or_path": str(tiny_model_dir),
+            "train_file": str(data_files["train"]),
+            "validation_file": str(data_files["validation"]),
+            **(base or {}),
+        },
+        "search": {
+            "n_trials": 4,
+            "metric": "eval_loss",
+            "direction": "minimize",
+            "sampler": "random",
+            "seed": 0,
+            "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_evaluations": 0},
+            "space": {"learning_rate": {"low": 1.0e-5, "high": 3.0e-3, "log": True}},
+            **search,
+        },
+    }
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def sweep_command(path, *extra):
+    return [sys.executable, "-m", "ft_accum.cli.main", "sweep", str(path), *extra]
+
+
+def load_study(tmp_path):
+    record = json.loads((tmp_path / "search_out" / search_module.SEARCH_FILE).read_text())
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(record["storage"].removeprefix("journal:"))
+    )
+    return optuna.load_study(study_name=record["study_name"], storage=storage)
+
+
+def launches(run_dir):
+    """How many times the sweep started the run: one `$ ...` line each in its log."""
+    return sum(line.startswith("$ ") for line in (run_dir / "log.txt").read_text().splitlines())
+
+
+@pytest.mark.launch
+def test_a_search_prunes_a_bad_trial_at_a_checkpoint_that_resumes(tmp_path, tiny_model_dir, data_files):
+    """4 trials: the first two enqueued (a good LR, then one 300× smaller), the other two sampled. The
+    median pruner stops the second at its first evaluation, worse than the first's: the run gets the
+    graceful stop, leaves a checkpoint and its resume command, and the trial is PRUNED."""
+    path = write_search(
+        tmp_path, tiny_model_dir, data_files, base={"num_train_epochs": 2},
+        enqueue=[{"learning_rate": 3e-3}, {"learning_rate": 1e-5}],
+    )  # fmt: skip
+    # Each update made 0.25 s longer (tests/fault_hooks): a tiny model would otherwise finish its
+    # epochs before the sweep's next look at its evaluations.
+    env = {**os.environ, "PYTHONPATH": str(FAULT_HOOKS), "FT_ACCUM_SLOW_UPDATE_SECONDS": "0.25"}
+    result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    trials = load_study(tmp_path).get_trials()
+    assert len(trials) == 4 and {t.state.name for t in trials} <= {"COMPLETE", "PRUNED"}
+    good, bad = trials[0], trials[1]
+    assert (good.state.name, bad.state.name) == ("COMPLETE", "PRUNED"), result.stdout
+    assert len(good.intermediate_values) == 2 and list(bad.intermediate_values) == [0]
+    assert bad.intermediate_values[0] > good.intermediate_values[0]
+    assert (
+        good.value
+        == json.loads((tmp_path / "search_out" / "trial_0000" / "all_results.json").read_text())["eval_loss"]
+    )
+    # The pruned run stopped at a checkpoint (SIGTERM: exit 143), before its second epoch's evaluation.
+    pruned_dir = tmp_path / "search_out" / "trial_0001"
+    assert not (pruned_dir / "all_results.json").exists() and any((pruned_dir / "checkpoints").glob("step_*"))
+    assert "stopped by SIGTERM" in (pruned_dir / "log.txt").read_text()
+    results = (tmp_path / "search_out" / "results.md").read_text()
+    assert "| trial_0001 | 1e-05 |" in results and "pruned" in results and "final LR" in results
+    best = min((t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value)
+    assert f"Best: trial_{best.number:04d}" in results and f"--learning_rate={best.params['learning_rate']}" in results
+
+    # The resume command it left finishes the run from that checkpoint.
+    resume = bad.user_attrs["resume_command"]
+    assert resume.startswith("ft-accum launch") and resume.endswith("--resume_from_checkpoint latest")
+    finished = subprocess.run(
+        [sys.executable, "-m", "ft_accum.cli.main", *shlex.split(resume)[1:]],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-2000:]
+    assert "Resumed from" in finished.stdout + finished.stderr and (pruned_dir / "all_results.json").exists()
+
+
+@pytest.mark.launch
+def test_a_search_killed_mid_trial_resumes_that_trial_and_ends_at_n_trials(tmp_path, tiny_model_dir, data_files):
+    """kill -9 of the sweep alone, during its second trial. The run, signalled by the kernel as its parent
+    dies, stops at a checkpoint; the same command again takes the trial up from it. 3 trials in all,
+    none run twice, none lost."""
+    path = write_search(
+        tmp_path, tiny_model_dir, data_files, base={"checkpointing_steps": 1, "per_device_train_batch_size": 2},
+        n_trials=3, pruner="none",
+    )  # fmt: skip
+    out = tmp_path / "search_out"
+    process = subprocess.Popen(sweep_command(path), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not (out / "trial_0001" / "checkpoints" / "step_000003").exists():
+        assert process.poll() is None and time.time() < deadline, (
+            "the search ended before trial 1 could be interrupted"
+        )
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    params_before = {t.number: t.params for t in load_study(tmp_path).get_trials()}
+    assert sorted(params_before) == [0, 1]
+
+    result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    trials = load_study(tmp_path).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 3
+    assert {t.number: t.params for t in trials if t.number < 2} == params_before  # trial 1 kept its parameters
+    assert "trial_0001 (taken up, resuming)" in result.stdout
+    log = (out / "trial_0001" / "log.txt").read_text()
+    assert "stopped by SIGTERM" in log and "Resumed from" in log and launches(out / "trial_0001") == 2
+    assert launches(out / "trial_0000") == 1 and launches(out / "trial_0002") == 1
+
+
+@pytest.mark.launch
+def test_three_workers_share_one_study_without_running_a_trial_twice(tmp_path, tiny_model_dir, data_files):
+    path = write_search(
+        tmp_path, tiny_model_dir, data_files, base={"num_train_epochs": 1}, n_trials=4, pruner="none", seed=None
+    )
+    workers = [
+        subprocess.Popen(sweep_command(path, "--worker"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(3)
+    ]  # fmt: skip
+    outputs = [w.communicate(timeout=900)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0, 0], outputs
+    trials = load_study(tmp_path).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 4
+    assert all(launches(tmp_path / "search_out" / f"trial_{n:04d}") == 1 for n in range(4))
+    started = [line.split("]")[0] for output in outputs for line in output.splitlines() if line.startswith("[trial")]
+    assert sorted(started) == [f"[trial {n}/4" for n in range(1, 5)], outputs  # each trial started by one worker
+
+
+@pytest.mark.launch
+def test_a_metric_the_recipe_never_logs_stops_the_search_at_the_first_evaluation(tmp_path, tiny_model_dir, data_files):
+    path = write_search(tmp_path, tiny_model_dir, data_files, metric="eval_bleu", n_trials=2)
+    result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode != 0
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: text_classification.py does not log eval_bleu") and "eval_accuracy" in message
+    assert [t.state.name for t in load_study(tmp_path).get_trials()] == ["FAIL"]
+
+
+@pytest.mark.parametrize(
+    "search, argv, message",
+    [
+        ({"space": {"learning_rat": {"low": 1e-5, "high": 1e-3}}}, [], "learning_rat is not a setting of text_classification.py"),
+        ({"space": {"learning_rate": {"low": 1e-3, "high": 1e-5}}}, [], "the range 0.001..1e-05 is empty or inverted"),
+        ({"space": {"learning_rate": {"low": 1e-3, "high": 1e-3}}}, [], "is empty or inverted; give low < high"),
+        ({"space": {"effective_batch_size": {"choices": []}}}, [], "choices is empty"),
+        ({"space": {}}, [], "search.space is empty"),
+        ({"sampler": "bayes"}, [], "sampler must be one of tpe, random, grid, cmaes"),
+        ({"sampler": "grid", "n_trials": 4, "space": {"seed": {"choices": [1, 2]}}}, [], "the grid has 2 point(s), fewer than n_trials 4"),
+        ({"storage": "sqlite:////no/such/dir/study.db"}, [], "cannot open the study storage sqlite:////no/such/dir"),
+        ({"storage": "postgresq://host/db"}, [], "cannot open the study storage postgresq://host/db"),
+        ({"storage": "sqlite:///study.db"}, ["--worker"], "--worker needs a storage several sweeps can write at once"),
+    ],
+)  # fmt: skip
+def test_search_bad_input_fails_before_any_trial_runs(tmp_path, tiny_model_dir, data_files, search, argv, message):
+    path = write_search(tmp_path, tiny_model_dir, data_files, **search)
+    with pytest.raises(SystemExit) as error:
+        cli_main(["sweep", str(path), *argv])
+    assert message in str(error.value) and str(error.value).startswith("error: "), str(error.value)
+    assert not any((tmp_path / "search_out").glob("trial_*"))
+
+
+def test_a_search_without_optuna_names_the_install(tmp_path, tiny_model_dir, data_files, monkeypatch):
+    monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna now raises ImportError
+    path = write_search(tmp_path, tiny_model_dir, data_files)
+    with pytest.raises(SystemExit, match=r"needs Optuna, which is not installed; pip install -e \"\.\[search\]\""):
+        cli_main(["sweep", str(path)])
+
+
+def test_a_sampled_effective_batch_is_split_by_the_planner_or_the_base_micro_batch():
+    # No plan: the largest micro-batch up to the base's that divides the effective batch per process.
+    assert (
+        search_module.batch_settings({"effective_batch_size": 48, "per_device_train_batch_size": 16}, None, 8, 1)[
+            "per_device_train_batch_size"
+        ]
+        == 16
+    )
+    split = search_module.batch_settings(
+        {"effective_batch_size": 24, "gradient_accumulation_steps": 4, "per_device_train_batch_size": 16}, None, 8, 2
+    )
+    assert split["per_device_train_batch_size"] == 12 and "gradient_accumulation_steps" not in split
+    # A plan for a 12 GiB card: the planner's recommendation for GPT-2 at 1,024 tokens, effective batch 32.
+    plan = {
+        "model": "gpt2-124m",
+        "task": "causal_lm",
+        "seq_len": 1024,
+        "gpu_memory": "12GiB",
+        "precision": "bf16-mixed",
+    }
+    from ft_accum.planner import memory_planner
+
+    expected = memory_planner.plan("gpt2-124m", task="causal_lm", seq_len=1024, effective_batch_size=32,
+                                   gpu_memory_gib=12, precision="bf16-mixed")["recommended"]  # fmt: skip
+    split = search_module.batch_settings({"effective_batch_size": 32}, plan, 8, 1)
+    assert split["per_device_train_batch_size"] == expected["per_device_train_batch_size"] < 32
+    assert split.get("gradient_checkpointing", False) == expected["gradient_checkpointing"]
+
+
+def test_the_final_learning_rate_follows_the_recipes_scaling():
+    args = {"learning_rate": 1e-4, "effective_batch_size": 64, "base_batch_size": 16, "lr_scaling": "sqrt"}
+    assert search_module.final_learning_rate(args, 1) == pytest.approx(2e-4)
+    assert search_module.final_learning_rate({**args, "lr_scaling": "none"}, 1) == pytest.approx(1e-4)
+
+
+def test_the_slurm_array_script_parses_and_runs_a_worker():
+    script = ROOT / "examples" / "slurm_search.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    assert "#SBATCH --array=" in text
+    line = next(line for line in text.splitlines() if line.startswith("exec ft-accum sweep"))
+    words = shlex.split(line.removeprefix("exec ").replace("$SWEEP_FILE", "sweeps/search.yaml"))
+    args = build_parser().parse_args(words[1:])
+    assert args.worker and args.handler.__name__ == "sweep_command"
+
+
+def test_an_abandoned_trial_is_recognised_by_its_dead_owner():
+    assert not search_module.owner_is_gone(search_module.this_process(), None, time.time())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = search_module.this_process().rsplit(":", 2)[0]
+    assert search_module.owner_is_gone(f"{host}:{dead.pid}:1", None, time.time())
+    # Another machine's sweep: alive while its heartbeat is fresh.
+    assert not search_module.owner_is_gone("elsewhere:1:1", time.time() - 60, time.time())
+    assert search_module.owner_is_gone("elsewhere:1:1", time.time() - search_module.STALE_SECONDS - 1, time.time())
