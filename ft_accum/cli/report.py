@@ -4,6 +4,12 @@ Reads each run's `metrics.jsonl` (one line per optimizer update) and `all_result
 writes PNG plots (matplotlib, non-interactive Agg backend) plus a `report.md` that embeds them
 under a summary table. Several runs, or a sweep's output_dir (every run folder under it), are
 overlaid: this is how ten overnight experiments are compared in the morning.
+
+On a search's output folder (`ft-accum sweep` with a `search:` section) the report begins with the
+trials table (parameters, base and final LR, the metric, the state, evaluations, updates done, wall
+time), the best trial with the command that reproduces it, and Optuna's own plots (optimization
+history, the reported evaluations of every trial, parameter importances, parallel coordinates),
+drawn by optuna.visualization.matplotlib.
 """
 
 from __future__ import annotations
@@ -162,8 +168,52 @@ def make_report(paths: list[str], out_dir: str | None = None) -> Path:
         fig.savefig(out / filename)
         plt.close(fig)
         written.append((filename, title))
-    (out / "report.md").write_text(_markdown(runs, written))
+    searches = [Path(p) for p in paths if (Path(p) / "search.json").is_file()]
+    head = [line for folder in searches for line in search_section(folder, out, plt)]
+    (out / "report.md").write_text("\n".join(head) + ("\n" if head else "") + _markdown(runs, written))
     return out / "report.md"
+
+
+SEARCH_PLOTS = [  # (file, title, optuna.visualization.matplotlib function)
+    ("search_history.png", "Optimization history", "plot_optimization_history"),
+    ("search_evaluations.png", "Each trial's evaluations (pruned trials end early)", "plot_intermediate_values"),
+    ("search_importances.png", "Parameter importances (fANOVA)", "plot_param_importances"),
+    ("search_parallel.png", "Parallel coordinates", "plot_parallel_coordinate"),
+]
+
+
+def search_section(folder: Path, out: Path, plt) -> list[str]:
+    """The search's trials table, its best trial's command, and Optuna's plots, as report.md lines."""
+    import warnings
+
+    from ft_accum.cli import search
+
+    optuna, study, record = search.load_search_study(folder)
+    trials = search.trial_records(optuna, study, folder, record.get("num_processes", 1))
+    settings = {"metric": record["metric"], "direction": record["direction"]}
+    best = search.best_record(trials, record["direction"])
+    lines = [f"# Search: {record['direction']} {record['metric']}, {len(trials)} of {record['n_trials']} trials", ""]
+    lines += search.trials_table(trials, settings) + [""]
+    if best:
+        lines += [f"Best: {best['run']}, {record['metric']} {best['value']:.4g}. Reproduce it with:", "",
+                  "```bash", best["command"], "```", ""]  # fmt: skip
+    import optuna.visualization.matplotlib as optuna_plots
+
+    for filename, title, function in SEARCH_PLOTS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
+            try:
+                axes = getattr(optuna_plots, function)(study)
+            except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. importances of one finished trial
+                lines += [f"## {title}", "", f"(not drawn: {exc})", ""]
+                continue
+        figure = (axes.flat[0] if hasattr(axes, "flat") else axes).get_figure()
+        figure.set_size_inches(8, 4.8)
+        figure.tight_layout()
+        figure.savefig(out / filename, dpi=110)
+        plt.close(figure)
+        lines += [f"## {title}", "", f"![{title}]({filename})", ""]
+    return lines
 
 
 def _markdown(runs: list[dict], plots: list[tuple[str, str]]) -> str:

@@ -14,7 +14,7 @@
         effective_batch_size: {choices: [16, 32, 64]}
       # storage: postgresql://user:password@host/db   (default: a journal file, <output_dir>/study.journal)
       # enqueue: [{learning_rate: 5.0e-5}]             (trials to run first, e.g. the recipe's default)
-      # plan: {model: smollm2-135m, task: causal_lm, seq_len: 512, gpu_memory: 12GiB}
+      # plan: {model: qwen2.5-0.5b, task: causal_lm, seq_len: 512, gpu_memory: 12GiB}
       # seed: 0                                         (the sampler's; leave it out with several workers)
 
 Optuna samples and prunes; nothing of the search is written here. Each trial is one run of the
@@ -132,6 +132,14 @@ def load_search(search: Any, path: Path, recipe: Path, settings: dict[str, Any])
         unknown = sorted(set(plan) - set(PLAN_KEYS))
         if unknown:
             raise ConfigError(f"{where}.plan: unknown key(s) {', '.join(unknown)}; valid: {', '.join(PLAN_KEYS)}")
+        from ft_accum.planner import memory_planner
+
+        if plan["task"] not in memory_planner.TASKS:
+            raise ConfigError(
+                f"{where}.plan.task must be one of {', '.join(memory_planner.TASKS)}, got {plan['task']!r}"
+            )
+        memory_planner.load_model_config(plan["model"])  # a name it cannot find fails now, naming the shipped ones
+        memory_planner.parse_memory(str(plan.get("gpu_memory", "12GiB")))
     return {
         "n_trials": n_trials,
         "metric": str(search["metric"]),
@@ -427,17 +435,17 @@ def run_search(sweep: dict, worker: bool = False, dry_run: bool = False) -> dict
 
     optuna = import_optuna()
     search, output_dir = sweep["search"], Path(sweep["output_dir"])
+    study_name = Path(sweep["path"]).stem
+    if dry_run:  # writes nothing
+        where = search["storage"] or f"journal:{output_dir / JOURNAL_FILE}"
+        print(f"search of {Path(sweep['recipe']).name}: {search['n_trials']} trials, {search['sampler']} sampler, "
+              f"{search['pruner']['type']} pruner, {search['direction']} {search['metric']}; study {study_name} in {where}")  # fmt: skip
+        for name, d in search["space"].items():
+            shown = d["choices"] if "choices" in d else f"{d['low']} to {d['high']}" + (", log" if d["log"] else "")
+            print(f"  {name}: {shown}")
+        return {"runs": {}}
     output_dir.mkdir(parents=True, exist_ok=True)
     storage, storage_url = open_storage(optuna, search, output_dir, worker)
-    study_name = Path(sweep["path"]).stem
-    if dry_run:
-        print(f"search of {Path(sweep['recipe']).name}: {search['n_trials']} trials, {search['sampler']} sampler, "
-              f"{search['pruner']['type']} pruner, {search['direction']} {search['metric']}; study {study_name} in {storage_url}")  # fmt: skip
-        for name, d in search["space"].items():
-            print(
-                f"  {name}: {d['choices'] if 'choices' in d else (d['low'], d['high'], 'log' if d['log'] else 'linear')}"
-            )
-        return {"runs": {}}
     if not worker:  # one sweep per folder, unless the workers share it on purpose
         lock_output_dir(output_dir)
     with AskLock(output_dir):
@@ -452,13 +460,13 @@ def run_search(sweep: dict, worker: bool = False, dry_run: bool = False) -> dict
         if not study.get_trials(deepcopy=False):
             for params in search["enqueue"]:
                 study.enqueue_trial(params)
+    default_micro = sweep_module._default_micro(Path(sweep["recipe"]))
+    num_processes = _num_processes(sweep["accelerate_config"])
     _write_json(output_dir / SEARCH_FILE, {
         "study_name": study_name, "storage": storage_url, "metric": search["metric"],
         "direction": search["direction"], "recipe": sweep["recipe"], "n_trials": search["n_trials"],
-        "space": search["space"],
+        "space": search["space"], "num_processes": num_processes,
     })  # fmt: skip
-    default_micro = sweep_module._default_micro(Path(sweep["recipe"]))
-    num_processes = _num_processes(sweep["accelerate_config"])
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         while True:
@@ -646,6 +654,14 @@ def _read_text(path: Path) -> str | None:
         return path.read_text().strip()
     except OSError:
         return None
+
+
+def load_search_study(output_dir: Path):
+    """(optuna, study, search.json's record) of a search's output folder, for `ft-accum report`."""
+    optuna = import_optuna()
+    record = json.loads((output_dir / SEARCH_FILE).read_text())
+    storage, _ = open_storage(optuna, {"storage": record["storage"]}, output_dir, worker=False)
+    return optuna, optuna.load_study(study_name=record["study_name"], storage=storage), record
 
 
 def trial_records(optuna, study, output_dir: Path, num_processes: int) -> list[dict[str, Any]]:
