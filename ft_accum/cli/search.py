@@ -183,7 +183,9 @@ def check_dimension(name: str, spec: Any, settings: dict[str, Any], recipe: Path
     log = bool(spec.get("log", False))
     if log and low <= 0:
         raise ConfigError(f"{where}.space.{name}: a log range needs low > 0, got {low}")
-    integer = "int" in str(kind) and "Optional[float]" not in str(kind)
+    if log and spec.get("step") is not None:
+        raise ConfigError(f"{where}.space.{name}: give step or log, not both (Optuna samples one or the other)")
+    integer = "int" in str(kind)  # int or Optional[int] (the recipe's annotation)
     if integer and not all(isinstance(v, int) for v in (low, high)):
         raise ConfigError(f"{where}.space.{name} is a whole number; give whole-number low and high")
     if not integer and "float" not in str(kind):
