@@ -213,3 +213,11 @@ def test_gpu_run_script_parses():
     import subprocess
 
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_run.sh")], check=True)
+
+
+@pytest.mark.launch
+@BENCHMARKS
+def test_the_search_benchmark_runs_quick(tmp_path, capsys):
+    printed = run_script("bench_search.py", "--quick", "--folder", str(tmp_path), capsys=capsys)
+    assert "| grid, 12 runs |" in printed and "| TPE + median pruning (warm-up 0), 12 trials |" in printed
+    assert (tmp_path / "search_warmup0" / "report" / "search_history.png").stat().st_size > 1000

@@ -78,22 +78,31 @@ def launches(run_dir):
 
 @pytest.mark.launch
 def test_a_search_prunes_a_bad_trial_at_a_checkpoint_that_resumes(tmp_path, tiny_model_dir, data_files):
-    """4 trials: the first two enqueued (a good LR, then one 300× smaller), the other two sampled. The
-    median pruner stops the second at its first evaluation, worse than the first's: the run gets the
-    graceful stop, leaves a checkpoint and its resume command, and the trial is PRUNED."""
+    """4 trials: three enqueued, one sampled. The first has a good LR, the second one 300× smaller: the
+    median pruner stops it at its first evaluation, worse than the first's; the run gets the graceful
+    stop, leaves a checkpoint and its resume command, and the trial is PRUNED. The third names a model
+    that does not exist: FAIL, with the recipe's error line."""
+    models = [str(tiny_model_dir), str(tmp_path / "no-such-model")]
     path = write_search(
         tmp_path, tiny_model_dir, data_files, base={"num_train_epochs": 2},
-        enqueue=[{"learning_rate": 3e-3}, {"learning_rate": 1e-5}],
+        space={"learning_rate": {"low": 1.0e-5, "high": 3.0e-3, "log": True}, "model_name_or_path": {"choices": models}},
+        enqueue=[{"learning_rate": 3e-3, "model_name_or_path": models[0]},
+                 {"learning_rate": 1e-5, "model_name_or_path": models[0]},
+                 {"learning_rate": 3e-3, "model_name_or_path": models[1]}],
     )  # fmt: skip
     # Each update made 0.25 s longer (tests/fault_hooks): a tiny model would otherwise finish its
     # epochs before the sweep's next look at its evaluations.
     env = {**os.environ, "PYTHONPATH": str(FAULT_HOOKS), "FT_ACCUM_SLOW_UPDATE_SECONDS": "0.25"}
     result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]  # 1: a trial failed
     trials = load_study(tmp_path).get_trials()
-    assert len(trials) == 4 and {t.state.name for t in trials} <= {"COMPLETE", "PRUNED"}
-    good, bad = trials[0], trials[1]
-    assert (good.state.name, bad.state.name) == ("COMPLETE", "PRUNED"), result.stdout
+    assert len(trials) == 4 and {t.state.name for t in trials} <= {"COMPLETE", "PRUNED", "FAIL"}
+    good, bad, broken = trials[:3]
+    assert (good.state.name, bad.state.name, broken.state.name) == ("COMPLETE", "PRUNED", "FAIL"), result.stdout
+    assert (
+        broken.user_attrs["error"].startswith("error: --model_name_or_path")
+        and "does not exist" in broken.user_attrs["error"]
+    )
     assert len(good.intermediate_values) == 2 and list(bad.intermediate_values) == [0]
     assert bad.intermediate_values[0] > good.intermediate_values[0]
     assert (
@@ -105,7 +114,8 @@ def test_a_search_prunes_a_bad_trial_at_a_checkpoint_that_resumes(tmp_path, tiny
     assert not (pruned_dir / "all_results.json").exists() and any((pruned_dir / "checkpoints").glob("step_*"))
     assert "stopped by SIGTERM" in (pruned_dir / "log.txt").read_text()
     results = (tmp_path / "search_out" / "results.md").read_text()
-    assert "| trial_0001 | 1e-05 |" in results and "pruned" in results and "final LR" in results
+    assert "| trial_0001 | 1e-05 |" in results and "| pruned |" in results and "final LR" in results
+    assert "| fail (error: --model_name_or_path" in results
     best = min((t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value)
     assert f"Best: trial_{best.number:04d}" in results and f"--learning_rate={best.params['learning_rate']}" in results
 
@@ -300,3 +310,32 @@ def test_a_dry_run_of_a_search_writes_nothing(tmp_path, tiny_model_dir, data_fil
     cli_main(["sweep", str(path), "--dry-run"])
     assert "search of text_classification.py: 4 trials, random sampler, median pruner" in capsys.readouterr().out
     assert not (tmp_path / "search_out").exists()
+
+
+def test_a_repeated_sample_is_told_the_earlier_trials_end_without_a_run():
+    space = {"learning_rate": {"choices": [1e-4, 3e-4]}}
+    search = {"n_trials": 4, "space": space}
+    study = optuna.create_study(direction="maximize")
+    for params, values, state in (
+        ({"learning_rate": 1e-4}, [0.5, 0.7], "COMPLETE"),
+        ({"learning_rate": 3e-4}, [0.2], "PRUNED"),
+    ):
+        study.enqueue_trial(params)
+        trial = study.ask()
+        search_module.sample(trial, space)
+        trial.set_user_attr("run", f"trial_{trial.number:04d}")
+        for step, value in enumerate(values):
+            trial.report(value, step)
+        study.tell(trial, values[-1] if state == "COMPLETE" else None, state=getattr(optuna.trial.TrialState, state))
+    for params in ({"learning_rate": 1e-4}, {"learning_rate": 3e-4}):
+        study.enqueue_trial(params)
+        trial = study.ask()
+        assert search_module.tell_repeat(optuna, study, trial, search_module.sample(trial, space), "x", search)
+    first, pruned, repeat_first, repeat_pruned = study.get_trials()
+    assert (repeat_first.state.name, repeat_first.value, repeat_first.intermediate_values) == (
+        "COMPLETE",
+        0.7,
+        {0: 0.5, 1: 0.7},
+    )
+    assert repeat_pruned.state.name == "PRUNED" and repeat_pruned.intermediate_values == {0: 0.2}
+    assert repeat_first.user_attrs["same_as"] == "trial_0000" and repeat_pruned.user_attrs["same_as"] == "trial_0001"

@@ -207,6 +207,9 @@ def search_section(folder: Path, out: Path, plt) -> list[str]:
             except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # e.g. importances of one finished trial
                 lines += [f"## {title}", "", f"(not drawn: {exc})", ""]
                 continue
+        if function in ("plot_optimization_history", "plot_intermediate_values"):
+            axes.set_ylabel(record["metric"])
+            axes.set_xlabel("trial" if function == "plot_optimization_history" else "evaluation (epoch)")
         figure = (axes.flat[0] if hasattr(axes, "flat") else axes).get_figure()
         figure.set_size_inches(8, 4.8)
         figure.tight_layout()

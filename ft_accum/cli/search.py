@@ -547,6 +547,40 @@ class EvaluationReporter:
                 return
 
 
+def tell_repeat(optuna, study, trial, params: dict, name: str, search: dict) -> bool:
+    """A trial whose parameters a finished trial already ran gets that trial's evaluations and end
+    without a run: the runs are seeded, so the same settings end the same (bit-identical on CPU, see
+    tests/test_checkpointing.py). Samplers repeat themselves over `choices` (TPE's first trials are
+    random); Optuna's FAQ ("How can I ignore duplicated samples?") answers them the same way."""
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    earlier = next(
+        (
+            t
+            for t in study.get_trials(deepcopy=False, states=states)
+            if t.params == params and t.number != trial.number
+        ),
+        None,
+    )
+    if earlier is None:
+        return False
+    for step, value in sorted(earlier.intermediate_values.items()):
+        trial.report(value, step)
+    source = earlier.user_attrs.get("same_as") or earlier.user_attrs.get("run", f"trial_{earlier.number:04d}")
+    for key in ("args", "command"):
+        if key in earlier.user_attrs:
+            trial.set_user_attr(key, earlier.user_attrs[key])
+    trial.set_user_attr("run", name)
+    trial.set_user_attr("same_as", source)
+    state = earlier.state.name.lower()
+    print(f"[trial {trial.number + 1}/{search['n_trials']}] {name}: the settings of {source}, which ended {state}; "
+          "told the same without a run", flush=True)  # fmt: skip
+    if earlier.state == optuna.trial.TrialState.COMPLETE:
+        study.tell(trial, earlier.value)
+    else:
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    return True
+
+
 def run_trial(optuna, sweep: dict, study, trial, taken_up: bool, default_micro: int, num_processes: int) -> None:
     """One trial: the run (resumed if it has a checkpoint), its evaluations reported, then told its state."""
     from ft_accum.cli import sweep as sweep_module
@@ -554,8 +588,10 @@ def run_trial(optuna, sweep: dict, study, trial, taken_up: bool, default_micro: 
     search, output_dir = sweep["search"], Path(sweep["output_dir"])
     name = f"trial_{trial.number:04d}"
     run_dir = output_dir / name
-    run_dir.mkdir(parents=True, exist_ok=True)
     params = sample(trial, search["space"])
+    if not taken_up and tell_repeat(optuna, study, trial, params, name, search):
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
     frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
     attrs = dict(frozen.user_attrs)
     try:
@@ -689,6 +725,7 @@ def trial_records(optuna, study, output_dir: Path, num_processes: int) -> list[d
             "command": attrs.get("command", ""),
             "resume_command": attrs.get("resume_command"),
             "error": attrs.get("error", ""),
+            "same_as": attrs.get("same_as"),
         })  # fmt: skip
     return rows
 
@@ -718,6 +755,7 @@ def trials_table(records: list[dict], search: dict) -> list[str]:
             values.append(r["final_learning_rate"])
         metric = r["value"] if r["state"] == "COMPLETE" else r["last_reported"]
         state = r["state"].lower() + (f" ({r['error']})" if r["error"] else "")
+        state += f" (as {r['same_as']}, not run again)" if r.get("same_as") else ""
         values += [metric, state.replace("|", "\\|"), r["evaluations"], r["updates"], r["wall_seconds"]]
         lines.append("| " + " | ".join(cell(v) for v in values) + " |")
     return lines
