@@ -78,17 +78,18 @@ def launches(run_dir):
 
 @pytest.mark.launch
 def test_a_search_prunes_a_bad_trial_at_a_checkpoint_that_resumes(tmp_path, tiny_model_dir, data_files):
-    """4 trials: three enqueued, one sampled. The first has a good LR, the second one 300× smaller: the
-    median pruner stops it at its first evaluation, worse than the first's; the run gets the graceful
-    stop, leaves a checkpoint and its resume command, and the trial is PRUNED. The third names a model
-    that does not exist: FAIL, with the recipe's error line."""
+    """4 trials, enqueued. The first has a good LR, the second one 300× smaller: the median pruner
+    stops it at its first evaluation, worse than the first's; the run gets the graceful stop, leaves a
+    checkpoint and its resume command, and the trial is PRUNED. The third names a model that does not
+    exist: FAIL, with the recipe's error line. The fourth repeats the first: told its end, not run."""
     models = [str(tiny_model_dir), str(tmp_path / "no-such-model")]
     path = write_search(
         tmp_path, tiny_model_dir, data_files, base={"num_train_epochs": 2},
         space={"learning_rate": {"low": 1.0e-5, "high": 3.0e-3, "log": True}, "model_name_or_path": {"choices": models}},
         enqueue=[{"learning_rate": 3e-3, "model_name_or_path": models[0]},
                  {"learning_rate": 1e-5, "model_name_or_path": models[0]},
-                 {"learning_rate": 3e-3, "model_name_or_path": models[1]}],
+                 {"learning_rate": 3e-3, "model_name_or_path": models[1]},
+                 {"learning_rate": 3e-3, "model_name_or_path": models[0]}],
     )  # fmt: skip
     # Each update made 0.25 s longer (tests/fault_hooks): a tiny model would otherwise finish its
     # epochs before the sweep's next look at its evaluations.
@@ -96,8 +97,10 @@ def test_a_search_prunes_a_bad_trial_at_a_checkpoint_that_resumes(tmp_path, tiny
     result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]  # 1: a trial failed
     trials = load_study(tmp_path).get_trials()
-    assert len(trials) == 4 and {t.state.name for t in trials} <= {"COMPLETE", "PRUNED", "FAIL"}
-    good, bad, broken = trials[:3]
+    assert len(trials) == 4
+    good, bad, broken, repeat = trials
+    assert (repeat.state.name, repeat.value, repeat.user_attrs["same_as"]) == ("COMPLETE", good.value, "trial_0000")
+    assert not (tmp_path / "search_out" / "trial_0003").exists()
     assert (good.state.name, bad.state.name, broken.state.name) == ("COMPLETE", "PRUNED", "FAIL"), result.stdout
     assert (
         broken.user_attrs["error"].startswith("error: --model_name_or_path")
@@ -130,42 +133,40 @@ def test_a_search_prunes_a_bad_trial_at_a_checkpoint_that_resumes(tmp_path, tiny
 
 @pytest.mark.launch
 def test_a_search_killed_mid_trial_resumes_that_trial_and_ends_at_n_trials(tmp_path, tiny_model_dir, data_files):
-    """kill -9 of the sweep alone, during its second trial. The run, signalled by the kernel as its parent
-    dies, stops at a checkpoint; the same command again takes the trial up from it. 2 trials in all,
-    none run twice, none lost."""
+    """kill -9 of the sweep alone, during its trial. The run, signalled by the kernel as its parent dies,
+    stops at a checkpoint; the same command again takes the trial up from it with its parameters: 1
+    trial in all, none run twice, none lost."""
     path = write_search(
         tmp_path, tiny_model_dir, data_files,
         base={"checkpointing_steps": 1, "per_device_train_batch_size": 2, "num_train_epochs": 1},
-        n_trials=2, pruner="none",
+        n_trials=1, pruner="none",
     )  # fmt: skip
     out = tmp_path / "search_out"
     process = subprocess.Popen(sweep_command(path), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
-    while not (out / "trial_0001" / "checkpoints" / "step_000003").exists():
-        assert process.poll() is None and time.time() < deadline, (
-            "the search ended before trial 1 could be interrupted"
-        )
+    while not (out / "trial_0000" / "checkpoints" / "step_000003").exists():
+        assert process.poll() is None and time.time() < deadline, "the search ended before its trial was interrupted"
         time.sleep(0.01)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     params_before = {t.number: t.params for t in load_study(tmp_path).get_trials()}
-    assert sorted(params_before) == [0, 1]
+    assert sorted(params_before) == [0]
 
     result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     trials = load_study(tmp_path).get_trials()
-    assert [t.state.name for t in trials] == ["COMPLETE"] * 2
-    assert {t.number: t.params for t in trials} == params_before  # trial 1 kept its parameters
-    assert "trial_0001 (taken up, resuming)" in result.stdout
-    log = (out / "trial_0001" / "log.txt").read_text()
-    assert "stopped by SIGTERM" in log and "Resumed from" in log and launches(out / "trial_0001") == 2
-    assert launches(out / "trial_0000") == 1 and len(read_metrics(out / "trial_0001")) == 12
+    assert [t.state.name for t in trials] == ["COMPLETE"]
+    assert {t.number: t.params for t in trials} == params_before  # the trial kept its parameters
+    assert "trial_0000 (taken up, resuming)" in result.stdout
+    log = (out / "trial_0000" / "log.txt").read_text()
+    assert "stopped by SIGTERM" in log and "Resumed from" in log and launches(out / "trial_0000") == 2
+    assert len(read_metrics(out / "trial_0000")) == 12  # every update once
 
 
 @pytest.mark.launch
 def test_three_workers_share_one_study_without_running_a_trial_twice(tmp_path, tiny_model_dir, data_files):
     path = write_search(
-        tmp_path, tiny_model_dir, data_files, base={"num_train_epochs": 1}, n_trials=3, pruner="none", seed=None
+        tmp_path, tiny_model_dir, data_files, base={"num_train_epochs": 1}, n_trials=2, pruner="none", seed=None
     )
     workers = [
         subprocess.Popen(sweep_command(path, "--worker"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -174,10 +175,10 @@ def test_three_workers_share_one_study_without_running_a_trial_twice(tmp_path, t
     outputs = [w.communicate(timeout=900)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0, 0], outputs
     trials = load_study(tmp_path).get_trials()
-    assert [t.state.name for t in trials] == ["COMPLETE"] * 3
-    assert all(launches(tmp_path / "search_out" / f"trial_{n:04d}") == 1 for n in range(3))
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 2  # the third worker found nothing left to ask
+    assert all(launches(tmp_path / "search_out" / f"trial_{n:04d}") == 1 for n in range(2))
     started = [line.split("]")[0] for output in outputs for line in output.splitlines() if line.startswith("[trial")]
-    assert sorted(started) == [f"[trial {n}/3" for n in range(1, 4)], outputs  # each trial started by one worker
+    assert sorted(started) == [f"[trial {n}/2" for n in range(1, 3)], outputs  # each trial started by one worker
 
 
 def test_a_metric_the_recipe_never_logs_is_caught_at_the_first_evaluation(tmp_path):
@@ -209,6 +210,7 @@ def test_a_metric_the_recipe_never_logs_is_caught_at_the_first_evaluation(tmp_pa
         ({"space": {"learning_rate": {"low": 1e-3, "high": 1e-3}}}, [], "is empty or inverted; give low < high"),
         ({"space": {"effective_batch_size": {"choices": []}}}, [], "choices is empty"),
         ({"space": {}}, [], "search.space is empty"),
+        ({"n_trials": 1, "enqueue": [{"learning_rate": 1e-4}] * 2}, [], "enqueue lists 2 trials, more than n_trials 1"),
         ({"sampler": "bayes"}, [], "sampler must be one of tpe, random, grid, cmaes"),
         ({"sampler": "grid", "n_trials": 4, "space": {"seed": {"choices": [1, 2]}}}, [], "the grid has 2 point(s), fewer than n_trials 4"),
         ({"storage": "sqlite:////no/such/dir/study.db"}, [], "cannot open the study storage sqlite:////no/such/dir"),

@@ -21,6 +21,7 @@ from conftest import (
     tiny_args,
 )
 
+from ft_accum.cli import launching
 from ft_accum.cli import sweep as sweep_module
 from ft_accum.cli.main import main as cli_main
 
@@ -132,7 +133,7 @@ def test_a_killed_sweep_resumes_without_repeating_finished_runs(tmp_path, tiny_m
     while not (out / "seed=2" / "checkpoints" / "step_000003").exists():
         assert process.poll() is None and time.time() < deadline, "the sweep ended before run 2 could be interrupted"
         time.sleep(0.01)
-    tree = sweep_module.process_tree(process.pid)
+    tree = launching.process_tree(process.pid)
     for pid in tree:  # SIGKILL the sweep and everything under it, as a power cut would
         os.kill(pid, signal.SIGSTOP)
     for pid in tree:

@@ -115,6 +115,10 @@ def load_search(search: Any, path: Path, recipe: Path, settings: dict[str, Any])
     enqueue = search.get("enqueue") or []
     if not isinstance(enqueue, list) or not all(isinstance(e, dict) for e in enqueue):
         raise ConfigError(f"{where}.enqueue must be a list of mappings of setting: value")
+    if len(enqueue) > n_trials:
+        raise ConfigError(
+            f"{where}.enqueue lists {len(enqueue)} trials, more than n_trials {n_trials}; raise n_trials"
+        )
     for entry in enqueue:
         outside = sorted(set(entry) - set(checked))
         if outside:
@@ -316,7 +320,8 @@ def claim_trial(optuna, study, search: dict):
             trial.set_user_attr("owner", this_process())
             trial.set_user_attr("heartbeat", now)
             return trial, True
-    if len(trials) >= search["n_trials"]:
+    waiting = any(t.state == optuna.trial.TrialState.WAITING for t in trials)  # enqueued: ask() pops these first
+    if len(trials) >= search["n_trials"] and not waiting:
         return None
     trial = study.ask()
     trial.set_user_attr("owner", this_process())
@@ -402,7 +407,7 @@ def read_evaluations(run_dir: Path) -> list[dict[str, Any]]:
 
 def wait_for_run_to_stop(run_dir: Path, timeout: float = 900) -> None:
     """A run whose sweep was killed stops on its own at a checkpoint (PR_SET_PDEATHSIG, see
-    sweep.launch_and_watch); wait until it has let go of its folder before resuming it there."""
+    launching.launch_and_watch); wait until it has let go of its folder before resuming it there."""
     import fcntl
 
     from ft_accum.training.run_outputs import LOCK_FILE
@@ -432,7 +437,7 @@ class MetricNotLogged(ConfigError):
 
 def run_search(sweep: dict, worker: bool = False, dry_run: bool = False) -> dict:
     """Run (or go on with) the study until it has n_trials finished; return {"runs": {trial: record}}."""
-    from ft_accum.cli import sweep as sweep_module
+    from ft_accum.cli import launching
     from ft_accum.training.run_outputs import lock_output_dir
 
     optuna = import_optuna()
@@ -462,7 +467,7 @@ def run_search(sweep: dict, worker: bool = False, dry_run: bool = False) -> dict
         if not study.get_trials(deepcopy=False):
             for params in search["enqueue"]:
                 study.enqueue_trial(params)
-    default_micro = sweep_module._default_micro(Path(sweep["recipe"]))
+    default_micro = launching.default_micro(Path(sweep["recipe"]))
     num_processes = _num_processes(sweep["accelerate_config"])
     _write_json(output_dir / SEARCH_FILE, {
         "study_name": study_name, "storage": storage_url, "metric": search["metric"],
@@ -583,7 +588,7 @@ def tell_repeat(optuna, study, trial, params: dict, name: str, search: dict) -> 
 
 def run_trial(optuna, sweep: dict, study, trial, taken_up: bool, default_micro: int, num_processes: int) -> None:
     """One trial: the run (resumed if it has a checkpoint), its evaluations reported, then told its state."""
-    from ft_accum.cli import sweep as sweep_module
+    from ft_accum.cli import launching
 
     search, output_dir = sweep["search"], Path(sweep["output_dir"])
     name = f"trial_{trial.number:04d}"
@@ -609,16 +614,14 @@ def run_trial(optuna, sweep: dict, study, trial, taken_up: bool, default_micro: 
           + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()), flush=True)  # fmt: skip
     while True:
         wait_for_run_to_stop(run_dir)
-        command = sweep_module.command_for(sweep, {"args": args}, run_dir)
+        command = launching.command_for(sweep, {"args": args}, run_dir)
         trial.set_user_attr("run", name)
         trial.set_user_attr("args", json.loads(json.dumps(args)))
         trial.set_user_attr("command", reproduce_command(sweep, args))
         watch = EvaluationReporter(trial, run_dir, search, Path(sweep["recipe"]).name, reported)
 
         try:
-            returncode, wall, timed_out = sweep_module.launch_and_watch(
-                command, run_dir, sweep["timeout_per_run"], watch
-            )
+            returncode, wall, timed_out = launching.launch_and_watch(command, run_dir, sweep["timeout_per_run"], watch)
         except MetricNotLogged as exc:
             trial.set_user_attr("error", f"error: {exc}")
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
@@ -643,8 +646,8 @@ def run_trial(optuna, sweep: dict, study, trial, taken_up: bool, default_micro: 
             print(f"  {name}: {search['metric']} {value:.4g}", flush=True)
             return
         tail = (run_dir / "log.txt").read_text(errors="replace")[-4000:]
-        if any(m in tail for m in sweep_module._OOM_MARKERS) and not attrs.get("replanned_args"):
-            args = sweep_module.replan_for_memory(args, default_micro)
+        if any(m in tail for m in launching.OOM_MARKERS) and not attrs.get("replanned_args"):
+            args = launching.replan_for_memory(args, default_micro)
             attrs["replanned_args"] = args
             trial.set_user_attr("replanned_args", json.loads(json.dumps(args)))
             print(f"  {name}: out of memory; again with per_device_train_batch_size "
@@ -653,7 +656,7 @@ def run_trial(optuna, sweep: dict, study, trial, taken_up: bool, default_micro: 
         error = (
             f"timed out after {sweep['timeout_per_run']:.0f} s"
             if timed_out
-            else sweep_module.error_line(run_dir / "log.txt")
+            else launching.error_line(run_dir / "log.txt")
         )
         trial.set_user_attr("error", error)
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
