@@ -31,7 +31,7 @@ from conftest import (
     write_jsonl,
 )
 
-from ft_accum.cli.sweep import process_tree
+from ft_accum.cli.launching import process_tree
 from ft_accum.training import checkpointing
 from ft_accum.training.run_outputs import truncate_metrics
 
