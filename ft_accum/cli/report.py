@@ -190,13 +190,7 @@ def search_section(folder: Path, out: Path, plt) -> list[str]:
 
     optuna, study, record = search.load_search_study(folder)
     trials = search.trial_records(optuna, study, folder, record.get("num_processes", 1))
-    settings = {"metric": record["metric"], "direction": record["direction"]}
-    best = search.best_record(trials, record["direction"])
-    lines = [f"# Search: {record['direction']} {record['metric']}, {len(trials)} of {record['n_trials']} trials", ""]
-    lines += search.trials_table(trials, settings) + [""]
-    if best:
-        lines += [f"Best: {best['run']}, {record['metric']} {best['value']:.4g}. Reproduce it with:", "",
-                  "```bash", best["command"], "```", ""]  # fmt: skip
+    lines = search.summary_lines(trials, record) + [""]
     import optuna.visualization.matplotlib as optuna_plots
 
     for filename, title, function in SEARCH_PLOTS:

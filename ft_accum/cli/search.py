@@ -53,6 +53,7 @@ from typing import Any
 from ft_accum.core.errors import ConfigError
 from ft_accum.core.lr_scaling import scale_learning_rate
 from ft_accum.training.arguments import TrainingArguments, typed_value
+from ft_accum.training.model_card import read_record, write_atomically
 from ft_accum.training.training_state import RESUME_COMMAND_FILE
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes")
@@ -469,11 +470,11 @@ def run_search(sweep: dict, worker: bool = False, dry_run: bool = False) -> dict
                 study.enqueue_trial(params)
     default_micro = launching.default_micro(Path(sweep["recipe"]))
     num_processes = _num_processes(sweep["accelerate_config"])
-    _write_json(output_dir / SEARCH_FILE, {
+    write_atomically(output_dir / SEARCH_FILE, json.dumps({
         "study_name": study_name, "storage": storage_url, "metric": search["metric"],
         "direction": search["direction"], "recipe": sweep["recipe"], "n_trials": search["n_trials"],
         "space": search["space"], "num_processes": num_processes,
-    })  # fmt: skip
+    }, indent=2) + "\n")  # fmt: skip
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         while True:
@@ -509,12 +510,6 @@ def _num_processes(accelerate_config: str | None) -> int:
 
     config = read_yaml(Path(accelerate_config)) if accelerate_config else {}
     return int((config or {}).get("num_processes", 1) or 1)
-
-
-def _write_json(path: Path, record: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 class EvaluationReporter:
@@ -626,9 +621,9 @@ def run_trial(optuna, sweep: dict, study, trial, taken_up: bool, default_micro: 
             trial.set_user_attr("error", f"error: {exc}")
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             raise
-        trial.set_user_attr("wall_seconds", attrs.get("wall_seconds", 0.0) + wall)
-        attrs["wall_seconds"] = attrs.get("wall_seconds", 0.0) + wall
-        results = _read(run_dir / "all_results.json")
+        attrs["wall_seconds"] = attrs.get("wall_seconds", 0.0) + wall  # every attempt's, a resumed one's too
+        trial.set_user_attr("wall_seconds", attrs["wall_seconds"])
+        results = read_record(run_dir, "all_results.json")
         if watch.pruned:
             trial.set_user_attr("resume_command", _read_text(run_dir / RESUME_COMMAND_FILE))
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
@@ -681,13 +676,6 @@ def _relative(path: str) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd()))
     except ValueError:
         return str(path)
-
-
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _read_text(path: Path) -> str | None:
@@ -764,8 +752,9 @@ def trials_table(records: list[dict], search: dict) -> list[str]:
     return lines
 
 
-def write_search_results(output_dir: Path, records: list[dict], search: dict) -> None:
-    """results.md (the trials table and the best trial's command) and results.json."""
+def summary_lines(records: list[dict], search: dict) -> list[str]:
+    """The trials table and the best trial's command, as markdown lines: results.md, and the head of
+    `ft-accum report` on a search folder. `search` needs metric, direction and n_trials."""
     best = best_record(records, search["direction"])
     text = [f"# Search: {search['direction']} {search['metric']}, {len(records)} of {search['n_trials']} trials", ""]
     text += trials_table(records, search)
@@ -777,5 +766,11 @@ def write_search_results(output_dir: Path, records: list[dict], search: dict) ->
     if best:
         text += ["", f"Best: {best['run']}, {search['metric']} {best['value']:.4g}. Reproduce it with:", "",
                  "```bash", best["command"], "```"]  # fmt: skip
-    _write_json(output_dir / "results.json", {"trials": records, "best": best})
-    (output_dir / "results.md").write_text("\n".join(text) + "\n")
+    return text
+
+
+def write_search_results(output_dir: Path, records: list[dict], search: dict) -> None:
+    """results.md (`summary_lines`) and results.json."""
+    best = best_record(records, search["direction"])
+    write_atomically(output_dir / "results.json", json.dumps({"trials": records, "best": best}, indent=2) + "\n")
+    (output_dir / "results.md").write_text("\n".join(summary_lines(records, search)) + "\n")

@@ -139,8 +139,23 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{path}: base must be a mapping of setting: value, got {type(base).__name__}")
     if sum(k in spec for k in ("grid", "runs", "search")) > 1:
         raise ConfigError(f"{path} has more than one of grid, runs and search; give one")
+    valid = recipe_settings(recipe)
+    _check_settings(base, valid, recipe, path)
+    if "output_dir" in base or "resume_from_checkpoint" in base:
+        raise ConfigError(f"{path}: the sweep sets output_dir and resume_from_checkpoint itself; remove them")
+    sweep = {
+        "path": str(path.resolve()),
+        "recipe": str(recipe),
+        "accelerate_config": accelerate_config,
+        "base": base,
+        "output_dir": str(spec.get("output_dir") or Path("outputs") / "sweeps" / path.stem),
+        "timeout_per_run": parse_duration(spec.get("timeout_per_run")),
+    }
     if "search" in spec:
-        return _load_search_sweep(spec, path, recipe, accelerate_config, base)
+        from ft_accum.cli.search import load_search
+
+        search = load_search(spec["search"], path, recipe, valid)
+        return {**sweep, "search": search, "runs": [], "varied": sorted(search["space"])}
     if "grid" in spec:
         grid = spec["grid"] or {}
         if not isinstance(grid, dict):
@@ -156,11 +171,12 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
         if not variants or not all(isinstance(v, dict) for v in variants):
             raise ConfigError(f"{path}: runs must be a non-empty list of mappings of setting: value")
     else:
-        raise ConfigError(f"{path} has neither grid nor runs; add e.g. `grid: {{learning_rate: [1e-5, 3e-5]}}`")
-    valid = recipe_settings(recipe)
-    for variant in [base, *variants]:
+        raise ConfigError(
+            f"{path} has no grid, runs or search; add e.g. `grid: {{learning_rate: [1e-5, 3e-5]}}` (docs/sweeps.md)"
+        )
+    for variant in variants:
         _check_settings(variant, valid, recipe, path)
-    if any("output_dir" in v or "resume_from_checkpoint" in v for v in [base, *variants]):
+    if any("output_dir" in v or "resume_from_checkpoint" in v for v in variants):
         raise ConfigError(f"{path}: the sweep sets output_dir and resume_from_checkpoint itself; remove them")
     varied = sorted({k for v in variants for k in v})
     runs, names = [], set()
@@ -170,36 +186,7 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
             raise ConfigError(f"{path}: two runs would both be named {name}; make their settings differ")
         names.add(name)
         runs.append({"name": name, "args": {**base, **variant}, "varied": {k: variant.get(k) for k in varied}})
-    return {
-        "path": str(path.resolve()),
-        "recipe": str(recipe),
-        "accelerate_config": accelerate_config,
-        "runs": runs,
-        "varied": varied,
-        "output_dir": str(spec.get("output_dir") or Path("outputs") / "sweeps" / path.stem),
-        "timeout_per_run": parse_duration(spec.get("timeout_per_run")),
-    }
-
-
-def _load_search_sweep(spec: dict, path: Path, recipe: Path, accelerate_config: str | None, base: dict) -> dict:
-    from ft_accum.cli.search import load_search
-
-    valid = recipe_settings(recipe)
-    _check_settings(base, valid, recipe, path)
-    search = load_search(spec["search"], path, recipe, valid)
-    if "output_dir" in base or "resume_from_checkpoint" in base:
-        raise ConfigError(f"{path}: the sweep sets output_dir and resume_from_checkpoint itself; remove them")
-    return {
-        "path": str(path.resolve()),
-        "recipe": str(recipe),
-        "accelerate_config": accelerate_config,
-        "base": base,
-        "search": search,
-        "runs": [],
-        "varied": sorted(search["space"]),
-        "output_dir": str(spec.get("output_dir") or Path("outputs") / "sweeps" / path.stem),
-        "timeout_per_run": parse_duration(spec.get("timeout_per_run")),
-    }
+    return {**sweep, "runs": runs, "varied": varied}
 
 
 def _check_settings(variant: dict, valid: dict, recipe: Path, path: Path) -> None:

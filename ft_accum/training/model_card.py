@@ -49,7 +49,7 @@ def write_run_config(
         "command": shlex.join(command),
         "arguments": {k: v for k, v in arguments.items() if v is None or isinstance(v, (int, float, str, bool))},
     }
-    _write_atomically(Path(output_dir) / RUN_CONFIG_FILE, json.dumps(record, indent=2) + "\n")
+    write_atomically(Path(output_dir) / RUN_CONFIG_FILE, json.dumps(record, indent=2) + "\n")
 
 
 def read_record(output_dir: str | os.PathLike, name: str) -> dict:
@@ -60,7 +60,7 @@ def read_record(output_dir: str | os.PathLike, name: str) -> dict:
         return {}
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -202,7 +202,7 @@ def write_model_card(output_dir: str | os.PathLike) -> Path | None:
     run = read_record(output_dir, RUN_CONFIG_FILE)
     results = read_record(output_dir, "all_results.json")
     exports = read_record(output_dir, EXPORTS_FILE).get("exports", [])
-    _write_atomically(final / "README.md", card_text(run, results, exports))
+    write_atomically(final / "README.md", card_text(run, results, exports))
     return final / "README.md"
 
 
@@ -210,7 +210,7 @@ def record_export(output_dir: str | os.PathLike, entry: dict) -> None:
     """Add (or replace, by file name) one exported file in exports.json, then rewrite the card."""
     path = Path(output_dir) / EXPORTS_FILE
     exports = [e for e in read_record(output_dir, EXPORTS_FILE).get("exports", []) if e.get("file") != entry["file"]]
-    _write_atomically(path, json.dumps({"exports": [*exports, entry]}, indent=2) + "\n")
+    write_atomically(path, json.dumps({"exports": [*exports, entry]}, indent=2) + "\n")
     write_model_card(output_dir)
 
 
