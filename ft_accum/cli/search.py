@@ -549,9 +549,10 @@ class EvaluationReporter:
 
 def tell_repeat(optuna, study, trial, params: dict, name: str, search: dict) -> bool:
     """A trial whose parameters a finished trial already ran gets that trial's evaluations and end
-    without a run: the runs are seeded, so the same settings end the same (bit-identical on CPU, see
-    tests/test_checkpointing.py). Samplers repeat themselves over `choices` (TPE's first trials are
-    random); Optuna's FAQ ("How can I ignore duplicated samples?") answers them the same way."""
+    without a run: the runs are seeded, so the same settings end the same (bit-identical on CPU:
+    tests/test_fault_injection.py and test_sweep.py compare separate runs of one seed at 0.0).
+    Samplers repeat themselves over `choices` (TPE's first trials are random); Optuna's FAQ ("How can
+    I ignore duplicated samples?") answers them the same way."""
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     earlier = next(
         (
