@@ -8,7 +8,7 @@ layers of width 32, `ft_accum.testing.make_tiny_chat_lm`) on the same 8 prompts,
 fixed completions and rewards: each prompt's G = 4 completions are drawn once (3 to 48 tokens, a
 quarter of them truncated at --max_completion_length 48, the rest ending in EOS), and each has a
 fixed reward. Generation is replaced, not run: TRL's through its public `rollout_func`, ours by
-patching `generation_round.sample_prompt`, the one function that samples. fp32 on the CPU, SGD (momentum
+patching `generation_round.sample_prompts`, the one function that samples. fp32 on the CPU, SGD (momentum
 0.9) at a constant LR, no clipping, β = 0, 4 updates of 8 completions.
 
 Each toolkit's micro-batches are recorded as it trains them (which completions, their advantages),
@@ -215,8 +215,8 @@ def our_run(model_dir, files, loss_type, micro, updates_per_round, work):
         ])  # fmt: skip
         return micro_batch_loss(task, accelerator, model, reference, batch)
 
-    def fixed_sample(accelerator, model, prompt_ids, sampling, seed):
-        return COMPLETIONS[tuple(prompt_ids)]
+    def fixed_sample(accelerator, model, prompts, sampling, seed):
+        return [COMPLETIONS[tuple(prompt_ids)] for prompt_ids in prompts]
 
     flags = {
         "model_name_or_path": model_dir, "train_file": files["train"], "validation_file": files["validation"],
@@ -227,12 +227,12 @@ def our_run(model_dir, files, loss_type, micro, updates_per_round, work):
         "num_warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 0, "max_train_steps": UPDATES,
         "output_dir": work, "report_to": "none", "seed": 0,
     }  # fmt: skip
-    recipe.micro_batch_loss, sample = recording, generation_round.sample_prompt
-    generation_round.sample_prompt = fixed_sample
+    recipe.micro_batch_loss, sample = recording, generation_round.sample_prompts
+    generation_round.sample_prompts = fixed_sample
     try:
         recipe.main(["--config=none", *(f"--{k}={v}" for k, v in flags.items())])
     finally:
-        generation_round.sample_prompt = sample
+        generation_round.sample_prompts = sample
         reset_accelerate_state()
     seconds = json.loads((Path(work) / "all_results.json").read_text())["train_runtime"]
     return final_weights(Path(work)), recorded, seconds

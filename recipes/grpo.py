@@ -68,6 +68,9 @@ class TaskArguments(LoraArguments):
     generation_batch_size: Optional[int] = field(
         default=None, metadata={"help": "Completions per round, all processes; default: the effective batch."}
     )
+    generation_prompts_per_call: int = field(
+        default=8, metadata={"help": "Prompts sampled together by one generate() call: more is faster, more memory."}
+    )
     num_iterations: int = field(default=1, metadata={"help": "Passes over each round (> 1: clipped reuse)."})
     loss_type: str = field(default="dapo", metadata={"help": f"One of {', '.join(grpo_loss.LOSS_TYPES)}."})
     importance_sampling_level: str = field(default="token", metadata={"help": "token, or sequence (GSPO)."})
@@ -101,6 +104,7 @@ class TaskArguments(LoraArguments):
             "temperature": (self.temperature > 0, "> 0"),
             "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
             "num_iterations": (self.num_iterations >= 1, "≥ 1"),
+            "generation_prompts_per_call": (self.generation_prompts_per_call >= 1, "≥ 1"),
             "beta": (self.beta >= 0, "≥ 0"),
             "epsilon": (0 <= self.epsilon < 1, "in [0, 1)"),
             "epsilon_high": (self.epsilon_high >= 0, "≥ 0"),
@@ -274,7 +278,8 @@ def train(task, args):
     accelerator.print(f"before training: eval_reward {initial_eval['eval_reward']:.3f}")
     nominal = plan.micro * task.max_completion_length  # any constant works; this one keeps losses O(1)
     sampling = generation_round.Sampling(task.num_generations, task.max_completion_length, task.temperature,
-                                         task.top_p, tokenizer.eos_token_id, tokenizer.pad_token_id)  # fmt: skip
+                                         task.top_p, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                         task.generation_prompts_per_call)  # fmt: skip
     eval_metrics, done = initial_eval, False
     model.train()
     while state.epoch < schedule.num_epochs and not done:

@@ -1,5 +1,6 @@
-"""ft_accum/training/generation_round.py: a round's completions depend on the prompt and the seed
-only (issue 43: generation does not depend on the split), and leave the training RNG as it was.
+"""ft_accum/training/generation_round.py: a round's completions depend on the prompts, the seed and
+how many prompts one call samples only (issue 43: generation does not depend on the split), and
+leave the training RNG as it was.
 On a tiny Llama with SmolLM2's tokenizer, in this process; the 2-process round is the recipe's."""
 
 import pytest
@@ -17,17 +18,19 @@ def setup(chat_lm_dir):
     accelerator = Accelerator(cpu=True)
     tokenizer = AutoTokenizer.from_pretrained(chat_lm_dir)
     model = AutoModelForCausalLM.from_pretrained(chat_lm_dir)
-    prompts = [render_ids(tokenizer, [{"role": "user", "content": f"What is {i} + {i}?"}], add_generation_prompt=True)
-               for i in range(5)]  # fmt: skip
+    # of different lengths: a call of several prompts pads them on the left
+    prompts = [render_ids(tokenizer, [{"role": "user", "content": f"What is {i} + {17 ** (3 * i)}?"}],
+                          add_generation_prompt=True) for i in range(5)]  # fmt: skip
+    assert len({len(ids) for ids in prompts}) > 2
     model.train()  # as in the training loop: the round samples in eval mode, then puts it back
     yield accelerator, model, tokenizer, prompts
     reset_accelerate_state()
 
 
-def round_of(accelerator, model, tokenizer, prompts, indices, eos=None, length=6):
+def round_of(accelerator, model, tokenizer, prompts, indices, eos=None, length=6, per_call=1, temperature=1.0):
     eos = tokenizer.eos_token_id if eos is None else eos
-    sampling = Sampling(num_generations=4, max_completion_length=length, temperature=1.0, top_p=1.0,
-                        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    sampling = Sampling(num_generations=4, max_completion_length=length, temperature=temperature, top_p=1.0,
+                        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, prompts_per_call=per_call)  # fmt: skip
     return generate_round(accelerator, model, [prompts[i] for i in indices], indices, sampling, seed=3, round_index=1)
 
 
@@ -45,6 +48,33 @@ def test_a_prompts_completions_do_not_depend_on_the_other_prompts_or_their_order
     assert by_prompt(alone) == {k: v for k, v in by_prompt(everything).items() if k[0] == 2}
     assert len({tuple(c.completion_ids) for c in everything}) > 10  # sampled, not one greedy answer repeated
     assert all(c.truncated and len(c.completion_ids) == 6 for c in everything)  # no EOS drawn in 6 tokens
+
+
+def test_prompts_sampled_in_one_call_depend_on_their_group_only(setup):
+    """At 2 prompts a call, the round [0, 1, 2, 3, 4] samples {0, 1}, {2, 3}, {4}: each group's
+    completions are those of the group sampled alone (seeded by its first prompt), whatever else the
+    round holds; a group of one is the prompt-by-prompt sampling; and grouping changes the draw."""
+    accelerator, model, tokenizer, prompts = setup
+    grouped = by_prompt(round_of(accelerator, model, tokenizer, prompts, [0, 1, 2, 3, 4], per_call=2))
+    assert sorted(grouped) == [(p, g) for p in range(5) for g in range(4)]
+    assert by_prompt(round_of(accelerator, model, tokenizer, prompts, [2, 3], per_call=2)) == {
+        k: v for k, v in grouped.items() if k[0] in (2, 3)
+    }
+    assert by_prompt(round_of(accelerator, model, tokenizer, prompts, [4])) == {
+        k: v for k, v in grouped.items() if k[0] == 4
+    }
+    alone = by_prompt(round_of(accelerator, model, tokenizer, prompts, [1]))
+    assert alone != {k: v for k, v in grouped.items() if k[0] == 1}  # its group's draw, not its own
+    # Near-greedy, with logits far apart (this random model's are within 0.01 of each other), the draw
+    # does not matter: a prompt padded on the left in a group of 5 continues as it does alone.
+    with torch.no_grad():
+        model.lm_head.weight *= 1e4
+    cold = {"temperature": 1e-3}
+    together = by_prompt(round_of(accelerator, model, tokenizer, prompts, [0, 1, 2, 3, 4], per_call=5, **cold))
+    for p in range(5):
+        assert by_prompt(round_of(accelerator, model, tokenizer, prompts, [p], **cold)) == {
+            k: v for k, v in together.items() if k[0] == p
+        }
 
 
 def test_a_completion_ends_at_its_eos_and_the_training_rng_is_untouched(setup):

@@ -1,13 +1,15 @@
 """The generation round of online RL (issue 43): G sampled completions per prompt, the same whatever
 the micro-batch, the accumulation or the number of processes.
 
-Each prompt's G completions come from one `generate()` call of their own, seeded by (seed, round,
-prompt index) inside `torch.random.fork_rng`, so they depend on the prompt and the seed only: not
-on which process generates it, nor on what else is generated, nor on the batch the other prompts
-are in (one prompt per call also means no padding between prompts to change the numbers), and the
-training RNG stream is left as it was. On several processes each generates its share of the
-prompts (`every_rank.rank_batches`: the same number of calls on every rank, as FSDP needs), and the
-round is gathered, in prompt order, on every process.
+The round's prompts are cut, in round order, into groups of `Sampling.prompts_per_call`; each
+group's G completions per prompt come from one `generate()` call (prompts padded on the left),
+seeded by (seed, round, the group's first prompt index) inside `torch.random.fork_rng`. So they
+depend on the round's prompts, the seed and the group size only: not on which process generates a
+group, nor on the micro-batch or the accumulation, and the training RNG stream is left as it was.
+One call per group instead of per prompt: decoding is a loop of small steps that a GPU runs no
+slower for 64 sequences than for 8 (benchmarks/README.md, GRPO generation). On several processes
+each generates its share of the groups (`every_rank.rank_batches`: the same number of calls on
+every rank, as FSDP needs), and the round is gathered, in prompt order, on every process.
 
 A completion counts its tokens up to and including the first EOS; one that reaches
 `max_completion_length` without an EOS is truncated.
@@ -45,26 +47,32 @@ class Sampling:
     top_p: float
     eos_token_id: int
     pad_token_id: int
+    prompts_per_call: int = 1  # prompts sampled together in one generate() call (each G times)
 
 
 def round_seed(seed: int, round_index: int, prompt_index: int) -> int:
-    """The seed of one prompt's completions in one round: distinct for every (round, prompt), fixed by `seed`."""
+    """The seed of one group's completions in one round, by its first prompt: distinct for every
+    (round, prompt), fixed by `seed`."""
     return (seed * 1_000_003 + round_index * 10_007 + prompt_index) % (2**63 - 1)
 
 
 @torch.no_grad()
-def sample_prompt(
-    accelerator, model, prompt_ids: list[int], sampling: Sampling, seed: int
-) -> list[tuple[list[int], bool]]:
-    """G completions of one prompt, as (token ids up to and including the EOS, truncated)."""
-    input_ids = torch.tensor([prompt_ids] * sampling.num_generations, device=accelerator.device)
+def sample_prompts(
+    accelerator, model, prompts: list[list[int]], sampling: Sampling, seed: int
+) -> list[list[tuple[list[int], bool]]]:
+    """G completions of each of `prompts`, sampled in one call, as (token ids up to and including the
+    EOS, truncated), G per prompt. The prompts are padded on the left, so every row's completion
+    starts at the same column."""
+    width, g = max(len(ids) for ids in prompts), sampling.num_generations
+    rows = [[sampling.pad_token_id] * (width - len(ids)) + ids for ids in prompts for _ in range(g)]
+    masks = [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts for _ in range(g)]
     with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
         torch.manual_seed(seed)
         generated = every_rank.generate(
             accelerator,
             model,
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
+            input_ids=torch.tensor(rows, device=accelerator.device),
+            attention_mask=torch.tensor(masks, device=accelerator.device),
             do_sample=True,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -74,11 +82,11 @@ def sample_prompt(
             pad_token_id=sampling.pad_token_id,
         )
     completions = []
-    for row in generated[:, len(prompt_ids) :].tolist():
+    for row in generated[:, width:].tolist():
         ends = [i for i, token in enumerate(row) if token == sampling.eos_token_id]
         kept = row[: ends[0] + 1] if ends else row[: sampling.max_completion_length]
         completions.append((kept, not ends))
-    return completions
+    return [completions[i * g : (i + 1) * g] for i in range(len(prompts))]
 
 
 def generate_round(
@@ -91,22 +99,22 @@ def generate_round(
     seed: int,
     round_index: int,
 ) -> list[Completion]:
-    """The round's completions, prompt by prompt in order, G each, identical on every process."""
+    """The round's completions, in prompt order, G each, identical on every process."""
     was_training = model.training
     model.eval()  # no dropout in sampling: the completions are the policy's, not a dropout mask's
     mine = []
-    positions = list(range(len(prompt_ids)))
-    for (position,), real in every_rank.rank_batches(
-        positions, accelerator.process_index, accelerator.num_processes, 1
-    ):
-        index = prompt_indices[position]
-        samples = sample_prompt(
-            accelerator, model, prompt_ids[position], sampling, round_seed(seed, round_index, index)
+    size = sampling.prompts_per_call
+    groups = [list(range(start, min(start + size, len(prompt_ids)))) for start in range(0, len(prompt_ids), size)]
+    for (group,), real in every_rank.rank_batches(groups, accelerator.process_index, accelerator.num_processes, 1):
+        first = prompt_indices[group[0]]
+        samples = sample_prompts(
+            accelerator, model, [prompt_ids[p] for p in group], sampling, round_seed(seed, round_index, first)
         )
         if real:
             mine += [
-                Completion(index, g, prompt_ids[position], ids, truncated)
-                for g, (ids, truncated) in enumerate(samples)
+                Completion(prompt_indices[p], g, prompt_ids[p], ids, truncated)
+                for p, completions in zip(group, samples)
+                for g, (ids, truncated) in enumerate(completions)
             ]
     model.train(was_training)
     order = {index: i for i, index in enumerate(prompt_indices)}
