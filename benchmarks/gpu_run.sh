@@ -4,10 +4,10 @@
 # On the GPU machine (the device tool's `run`, with carry [".gpu"] from benchmarks/gpu_prepare.py),
 # from the repository root: installs the carried wheels beside the machine's own torch, transformers,
 # accelerate and peft, prints what it runs on, then runs benchmarks/gpu_check.py on CHECKS (default
-# 2,4,3,1,5,6: the planner and throughput first) for at most SECONDS (default 540). The results file,
+# 2,4,3,1,5,6,7: the planner and throughput first) for at most SECONDS (default 540). The results file,
 # rewritten after every row, and the log go to $OUT (else benchmarks/results/).
 set -uo pipefail
-checks=${1:-2,4,3,1,5,6}
+checks=${1:-2,4,3,1,5,6,7}
 seconds=${2:-540}
 out=${OUT:-benchmarks/results}
 name="gpu_check_${checks//,/-}"
@@ -24,5 +24,5 @@ print(", ".join(f"{name} {metadata.version(name)}" for name in names), f"| CUDA 
 import bitsandbytes, datasets, evaluate, peft, torchao  # noqa: E401,F401  (fail here, not after minutes)
 import ft_accum.training.run_setup  # noqa: F401
 PY
-timeout -s INT "$seconds" python3 benchmarks/gpu_check.py --checks "$checks" --minilm_dir .gpu/minilm \
+timeout -s INT "$seconds" python3 benchmarks/gpu_check.py --checks "$checks" --minilm_dir .gpu/minilm --smollm2_dir .gpu/smollm2 \
     --output "$out/$name.json" 2>&1 | tee "$out/$name.log"

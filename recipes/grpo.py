@@ -8,7 +8,7 @@ and turns the scores into group advantages; then it runs the round's updates, ea
 over micro-batches of completions and divided by its own count (completions, or completion tokens
 for dapo) over all micro-batches and processes: the update of one large batch, whatever the split
 (ft_accum/core/grpo_loss.py has the formulas and sources). The completions do not depend on the
-split either: each prompt's are sampled alone, seeded by (seed, round, prompt).
+split either: --generation_prompts_per_call prompts are sampled at once, seeded by (seed, round, group).
 
 With no flags it LoRA-tunes the bundled SmolLM2-135M-Instruct on generated arithmetic prompts,
 rewarded 1 for the right number, and reports the held-out reward of greedy answers before and after.

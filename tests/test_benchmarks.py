@@ -120,6 +120,16 @@ def test_output_loss_and_packing_benchmarks_run_quick(tmp_path):
     assert all(rate > 0 for rate in packing["median_assistant_tokens_per_second"].values())
 
 
+@pytest.mark.launch
+@BENCHMARKS
+def test_grpo_generation_benchmark_runs_quick(tmp_path):
+    run_script("bench_grpo_generation.py", "--quick", "--output", str(tmp_path / "grpo_generation.json"))
+    runs = json.loads((tmp_path / "grpo_generation.json").read_text())["runs"]
+    assert set(runs) == {"1 a call", "8 a call"}
+    # Either way a round samples its 8 prompts × G 4 completions.
+    assert all(r["completions"] == 32 for run in runs.values() for r in run["rounds"])
+
+
 def test_low_memory_benchmark_runs_quick(tmp_path):
     pytest.importorskip("bitsandbytes")
     run_script("bench_low_memory.py", "--quick", "--output", str(tmp_path / "low_memory.json"))
@@ -149,12 +159,14 @@ def test_optimizer_candidates_benchmark_runs_quick(tmp_path):
 @pytest.mark.launch
 @BENCHMARKS
 def test_gpu_check_dry_run_exercises_every_check_it_can_on_cpu(tmp_path, capsys):
-    """The GPU check must not first break on the GPU machine: its dry run runs checks 1–4 and 6 on CPU."""
-    args = ("--dry_run", "--checks", "1,2,3,4,5,6", "--output", str(tmp_path / "gpu_check.json"))
+    """The GPU check must not first break on the GPU machine: its dry run runs checks 1–4, 6 and 7 on CPU."""
+    args = ("--dry_run", "--checks", "1,2,3,4,5,6,7", "--output", str(tmp_path / "gpu_check.json"))
     out = run_script("gpu_check.py", *args, capsys=capsys)
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     checks = " ".join(r["check"] for r in rows)
-    for part in ("(8 × 1) = (2 × 4)", "planner / recipe peak", "12 GB table", "throughput", "instruction tuning"):
+    parts = ("(8 × 1) = (2 × 4)", "planner / recipe peak", "12 GB table", "throughput", "instruction tuning",
+             "GRPO planner / training peak", "GRPO generation, 1 prompt(s) a generate() call")  # fmt: skip
+    for part in parts:
         assert part in checks, part
     assert all(r["pass"] for r in rows) and "| check | measured |" in out
     # One cell per recipe, and the low-memory ones through the recipe with their flags: bf16 weights

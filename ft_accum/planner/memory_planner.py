@@ -173,6 +173,15 @@ def load_model_config(model: str | Any):
         ) from exc
 
 
+def weight_dtype(precision: str, lora_r: int | None, load_in_4bit: bool) -> torch.dtype:
+    """The dtype the recipes load the model's weights in (models.loading.cast_and_compile): bf16 under
+    "bf16" and for a 4-bit base's unquantized weights; a base that LoRA freezes only runs forward, so
+    under mixed precision it takes the compute dtype (peft's adapters stay fp32); else fp32."""
+    if precision == "bf16" or load_in_4bit or (lora_r and precision == "bf16-mixed"):
+        return torch.bfloat16
+    return torch.float16 if lora_r and precision == "fp16-mixed" else torch.float32
+
+
 def build_model(config, task: str, dtype: torch.dtype = torch.float32):
     """A randomly initialised model of `task` ("causal_lm", "seq2seq", "classification") from a config: what is traced."""
     from transformers import (
@@ -435,7 +444,7 @@ def trace_micro_batches(
     torch.manual_seed(0)
     config = copy.deepcopy(config)  # the model shares it, and checkpointing sets use_cache on it below
     with contextlib.nullcontext() if real_tensors else FakeTensorMode():
-        model = build_model(config, task, torch.bfloat16 if precision == "bf16" or load_in_4bit else torch.float32)
+        model = build_model(config, task, weight_dtype(precision, lora_r, load_in_4bit))
         if gradient_checkpointing:
             if hasattr(model.config, "use_cache"):
                 model.config.use_cache = False
