@@ -412,6 +412,9 @@ def trace_micro_batches(
     validate the fake trace. `accounting`, if given, receives the live bytes right after backward
     and the parameter, gradient and optimizer-state bytes, for the accounting test.
 
+    `lora_r`: peft's fp32 adapters on a frozen base built in `weight_dtype` (under mixed precision
+    the compute dtype, as the recipes load a base that LoRA freezes).
+
     `load_in_4bit` (QLoRA, with `lora_r`): the frozen linear layers' weights are counted as NF4
     (`NF4_BYTES_PER_PARAMETER`), the embeddings and the output layer stay bf16, and the largest
     weight dequantized to bf16 (what a 4-bit matmul materialises) is added to the temporaries.
