@@ -104,6 +104,7 @@ def test_a_resume_at_a_rounds_end_is_bit_identical(tmp_path, eos_lm_dir, prompt_
         ({"generation_batch_size": 10}, "--generation_batch_size 10 must be a multiple of --num_generations 4"),
         ({"prompt_column": "question"}, "--prompt_column 'question' is not a column"),
         ({"max_completion_length": 0}, "--max_completion_length must be ≥ 1"),
+        ({"generation_prompts_per_call": 0}, "--generation_prompts_per_call must be ≥ 1, got 0"),
         ({"reward_funcs": "no_such_module:f"}, "cannot import no_such_module"),
     ],
 )

@@ -6,8 +6,9 @@ group's G completions per prompt come from one `generate()` call (prompts padded
 seeded by (seed, round, the group's first prompt index) inside `torch.random.fork_rng`. So they
 depend on the round's prompts, the seed and the group size only: not on which process generates a
 group, nor on the micro-batch or the accumulation, and the training RNG stream is left as it was.
-One call per group instead of per prompt: decoding is a loop of small steps that a GPU runs no
-slower for 64 sequences than for 8 (benchmarks/README.md, GRPO generation). On several processes
+One call per group instead of per prompt: decoding is a loop of small steps, and a step over more
+rows costs less than several steps (2.7× faster a round on a 2-core CPU at 8 prompts a call,
+benchmarks/README.md, GRPO generation; not measured on a GPU). On several processes
 each generates its share of the groups (`every_rank.rank_batches`: the same number of calls on
 every rank, as FSDP needs), and the round is gathered, in prompt order, on every process.
 
