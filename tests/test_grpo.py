@@ -49,8 +49,12 @@ VARIANTS = {
     "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence"},
     # two updates per round: the second's ratio is clipped against the round's policy (old log-probs);
     # its 4 prompts sampled 3 a call: the groups {0, 1, 2} and {3}, one on each DDP process
-    "dapo, 2 updates a round": {"loss_type": "dapo", "generation_batch_size": 16, "max_train_steps": 4,
-                                "generation_prompts_per_call": 3},  # fmt: skip
+    "dapo, 2 updates a round": {
+        "loss_type": "dapo",
+        "generation_batch_size": 16,
+        "max_train_steps": 4,
+        "generation_prompts_per_call": 3,
+    },
 }
 
 

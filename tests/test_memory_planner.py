@@ -488,7 +488,9 @@ def test_a_grpo_plan_scores_only_the_completion_and_is_a_run_of_the_grpo_recipe(
     assert args.effective_batch_size == 16 and task.use_lora and task.max_completion_length == 64
 
 
-@pytest.mark.parametrize("precision, mixed_precision", [("bf16-mixed", "bf16"), ("fp16-mixed", "fp16"), ("fp32", "no")])
+@pytest.mark.parametrize(
+    "precision, mixed_precision", [("bf16-mixed", "bf16"), ("fp16-mixed", "fp16"), ("fp32", "no")]
+)
 def test_a_lora_plan_counts_the_base_in_the_dtype_the_recipes_load_it_in(precision, mixed_precision):
     """Under mixed precision the recipes cast a base that LoRA freezes to the compute dtype
     (loading.cast_and_compile, frozen_base) and peft adds fp32 adapters: the plan's parameter bytes
@@ -500,6 +502,8 @@ def test_a_lora_plan_counts_the_base_in_the_dtype_the_recipes_load_it_in(precisi
     traced = mp.trace_phases(config, task="causal_lm", micro_batch_size=1, seq_len=8, precision=precision, lora_r=4)
     torch.manual_seed(0)
     model = cast_and_compile(mp.build_model(config, "causal_lm"), "float32", False, mixed_precision, frozen_base=True)
-    model = apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0, target_modules="all-linear"), gradient_checkpointing=False)
+    model = apply_lora(
+        model, LoraSettings(r=4, alpha=8, dropout=0.0, target_modules="all-linear"), gradient_checkpointing=False
+    )
     loaded = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     assert traced[0].parameters == pytest.approx(loaded, rel=1e-3)  # the rotary buffer: cast by .to(), built fp32
