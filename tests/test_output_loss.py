@@ -9,7 +9,7 @@ from conftest import make_tiny_lm
 from transformers import AutoModelForCausalLM, T5Config, T5ForConditionalGeneration
 
 from ft_accum.core.loss_normalization import causal_lm_loss_sum
-from ft_accum.models.output_loss import OutputLoss, linear_cross_entropy_sum, shift_labels
+from ft_accum.models.output_loss import OutputLoss, linear_cross_entropy_sum, shift_labels, token_log_probs
 from ft_accum.planner import memory_planner
 from ft_accum.testing import reset_accelerate_state
 
@@ -218,3 +218,50 @@ def test_the_chunked_step_keeps_far_fewer_bytes_alive_than_the_logits_path():
     logits_bytes = 4 * 512 * 49152 * 4
     assert peaks["logits"] - peaks["chunked"] >= 1.5 * logits_bytes, peaks
     assert peaks["model"] - peaks["chunked"] >= 1.5 * logits_bytes, peaks  # the plain loop's and Trainer's loss
+
+
+def unchunked_token_log_probs(logits, token_ids):
+    """The form token_log_probs replaces: every position's fp32 log-softmax at once."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1).detach()
+    return log_probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1), entropy
+
+
+@pytest.mark.parametrize("logits_per_chunk", [1 << 25, 3 * 50])  # one chunk; chunks of 1 position (3 rows × 50)
+def test_token_log_probs_match_the_unchunked_log_softmax_and_its_gradient(logits_per_chunk):
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(3, 7, 50, dtype=torch.float64)).requires_grad_()
+    ids, weights = torch.randint(0, 50, (3, 7)), torch.randn(3, 7, dtype=torch.float64)
+    ours, entropy = token_log_probs(logits, ids, logits_per_chunk=logits_per_chunk)
+    (grad,) = torch.autograd.grad((ours * weights).sum(), logits)
+    reference, reference_entropy = unchunked_token_log_probs(logits, ids)
+    (reference_grad,) = torch.autograd.grad((reference * weights).sum(), logits)
+    torch.testing.assert_close(ours, reference.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy, reference_entropy.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, reference_grad, rtol=1e-6, atol=1e-6)
+    assert not entropy.requires_grad
+    with torch.no_grad():
+        assert not token_log_probs(logits, ids, logits_per_chunk=logits_per_chunk)[0].requires_grad
+
+
+def test_the_grpo_step_keeps_fewer_copies_of_the_completion_logits():
+    """The planner's tracker on the real tensors of recipes/grpo.py's step (4 completions of 256
+    tokens, a 49k vocabulary; chunks of 2M logits, so that they are small beside the 50M, as the
+    default's 32M are beside a GPU step's): against the unchunked log-softmax, at least 1.5 copies
+    of the completion's fp32 logits fewer at the peak (measured: 1.9; what stays is the logits and
+    their gradient, which the output layer's backward needs)."""
+    import functools
+    from unittest import mock
+
+    from ft_accum.training import generation_round
+
+    config = memory_planner.load_model_config("gpt2-124m")
+    config.n_layer, config.vocab_size, config.n_embd, config.n_head = 1, 49152, 128, 2
+    settings = dict(task="grpo", micro_batch_size=4, seq_len=288, completion_length=256, real_tensors=True)
+    small_chunks = functools.partial(token_log_probs, logits_per_chunk=1 << 21)
+    with mock.patch.object(generation_round, "token_log_probs", small_chunks):
+        chunked = memory_planner.trace_phases(config, **settings)[0].activations_gradients_temporaries
+    with mock.patch.object(generation_round, "token_log_probs", unchunked_token_log_probs):
+        unchunked = memory_planner.trace_phases(config, **settings)[0].activations_gradients_temporaries
+    fp32_logits = 4 * 256 * 49152 * 4
+    assert unchunked - chunked >= 1.5 * fp32_logits, (unchunked, chunked)

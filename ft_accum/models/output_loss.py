@@ -126,6 +126,58 @@ def linear_cross_entropy_sum(
     return loss, is_target.sum()
 
 
+class _TokenLogProbs(torch.autograd.Function):
+    """log p(token_ids) and the entropy from logits[:, :C], a chunk of positions at a time; the
+    backward writes d log p(y) / dz = onehot(y) − softmax(z), times the incoming gradient, into one
+    gradient buffer the size of `logits`, again a chunk at a time."""
+
+    @staticmethod
+    def forward(ctx, logits, token_ids, step):
+        rows, length = token_ids.shape
+        log_probs = torch.empty(rows, length, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty_like(log_probs)
+        for start in range(0, length, step):
+            end = min(start + step, length)
+            z = logits[:, start:end].float()
+            log_z = torch.logsumexp(z, dim=-1)
+            log_probs[:, start:end] = z.gather(-1, token_ids[:, start:end].unsqueeze(-1)).squeeze(-1) - log_z
+            entropy[:, start:end] = log_z - torch.softmax(z, dim=-1).mul_(z).sum(-1)
+        ctx.save_for_backward(logits, token_ids)
+        ctx.step = step
+        ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, token_ids = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        for start in range(0, token_ids.shape[1], ctx.step):
+            end = min(start + ctx.step, token_ids.shape[1])
+            chunk = -torch.softmax(logits[:, start:end].float(), dim=-1)
+            chunk.scatter_add_(-1, token_ids[:, start:end].unsqueeze(-1), torch.ones_like(chunk[..., :1]))
+            grad[:, start:end] = chunk.mul_(grad_log_probs[:, start:end].unsqueeze(-1))
+        return grad, None, None
+
+
+def token_log_probs(
+    logits: torch.Tensor, token_ids: torch.Tensor, logits_per_chunk: int = LOGITS_PER_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(token_ids) [B, C] in fp32, the entropy at those positions [B, C], detached) from
+    `logits` [B, T ≥ C, V], position t predicting token_ids[:, t], without the fp32 copies of all
+    of them that `log_softmax(logits.float())` keeps for its backward (at 16 × 256 tokens of a 49,152
+    vocabulary, 0.8 GB each, several at its peak).
+
+    log p(y) = z_y − logsumexp(z) and H = logsumexp(z) − Σ_v softmax(z)_v z_v, over chunks of
+    positions of at most `logits_per_chunk` logits, in the forward and again in the backward (the
+    gradient, (onehot(y) − softmax(z)) × the incoming one, is written into one buffer like `logits`,
+    so positions past C get zero without a slice's extra copy). Equal to the unchunked form up to
+    summation order (tests/test_output_loss.py).
+    """
+    rows, _, vocab = logits.shape
+    step = max(1, logits_per_chunk // max(1, rows * vocab))
+    return _TokenLogProbs.apply(logits, token_ids, step)
+
+
 def target_spans(targets: torch.Tensor, ignore_index: int = -100) -> list[tuple[int, int]]:
     """Each row's [first target, last target + 1) (an empty span for a row with none). A preference
     pair's or a chat's prompt and padding are most of its positions, and none needs logits. Reading

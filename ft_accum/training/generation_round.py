@@ -24,6 +24,7 @@ import torch
 from accelerate.utils import gather_object
 
 from ft_accum.core.errors import ConfigError
+from ft_accum.models.output_loss import token_log_probs
 from ft_accum.training import every_rank
 
 
@@ -209,7 +210,8 @@ def micro_batches(
 
 def completion_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Each completion token's log-probability [B, C], and the policy's entropy there (detached).
-    Only the completion's logits are built (`logits_to_keep`): never the prompt's [B, P, V]."""
+    Only the completion's logits are built (`logits_to_keep`): never the prompt's [B, P, V]; and
+    their fp32 log-softmax only a chunk at a time (`output_loss.token_log_probs`)."""
     width = batch["completion_ids"].shape[1]
     logits = model(
         input_ids=batch["input_ids"],
@@ -217,11 +219,8 @@ def completion_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor
         position_ids=batch["position_ids"],
         logits_to_keep=width + 1,
         use_cache=False,
-    ).logits[:, :-1]
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    token_log_probs = log_probs.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1).detach()
-    return token_log_probs, entropy
+    ).logits  # position t predicts completion token t; the last one predicts past the completion
+    return token_log_probs(logits, batch["completion_ids"])
 
 
 def update_metrics(accelerator, rewards, scores, rows: slice, completions, logs, functions) -> dict:
