@@ -122,12 +122,15 @@ def test_output_loss_and_packing_benchmarks_run_quick(tmp_path):
 
 @pytest.mark.launch
 @BENCHMARKS
-def test_grpo_generation_benchmark_runs_quick(tmp_path):
+def test_grpo_benchmarks_run_quick(tmp_path):
     run_script("bench_grpo_generation.py", "--quick", "--output", str(tmp_path / "grpo_generation.json"))
     runs = json.loads((tmp_path / "grpo_generation.json").read_text())["runs"]
     assert set(runs) == {"1 a call", "8 a call"}
     # Either way a round samples its 8 prompts × G 4 completions.
     assert all(r["completions"] == 32 for run in runs.values() for r in run["rounds"])
+    run_script("bench_grpo_log_probs.py", "--quick", "--output", str(tmp_path / "grpo_log_probs.json"))
+    seconds = json.loads((tmp_path / "grpo_log_probs.json").read_text())["seconds"]
+    assert len(seconds["chunked"]) == len(seconds["unchunked"]) == 2
 
 
 def test_low_memory_benchmark_runs_quick(tmp_path):
