@@ -260,7 +260,7 @@ def train(task, args):
     lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
     banner_rows = {
         "round": f"{layout.prompts} prompts × {task.num_generations} = {layout.completions} completions, "
-        f"{layout.updates} update(s)",
+        f"{layout.updates} update(s); {min(task.generation_prompts_per_call, layout.prompts)} per generate() call",
         "loss": f"{task.loss_type}, {task.importance_sampling_level}-level ratio",
         "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None),
     }
