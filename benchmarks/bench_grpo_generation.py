@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ft_accum.data.offline_assets import bundled_smollm2_dir  # noqa: E402
 from ft_accum.data.rewards import arithmetic_task  # noqa: E402
 from ft_accum.testing import make_tiny_chat_lm, write_jsonl  # noqa: E402
 from ft_accum.testing.benchmarking import machine_info, run_recipe  # noqa: E402
@@ -97,11 +98,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         files = prompt_files(work)
-        model_dir = make_tiny_chat_lm(work / "tiny") if args.quick else None
-        if model_dir is None:
-            from ft_accum.data.offline_assets import bundled_smollm2_dir
-
-            model_dir = bundled_smollm2_dir()
+        model_dir = make_tiny_chat_lm(work / "tiny") if args.quick else bundled_smollm2_dir()
         runs = {f"{n} a call": run(model_dir, files, n, args.quick) for n in PROMPTS_PER_CALL}
     first, last = (runs[f"{n} a call"] for n in PROMPTS_PER_CALL)
     summary = {
