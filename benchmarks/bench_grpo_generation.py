@@ -21,7 +21,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,8 +29,7 @@ sys.path.insert(0, str(ROOT))
 from ft_accum.data.offline_assets import bundled_smollm2_dir  # noqa: E402
 from ft_accum.data.rewards import arithmetic_task  # noqa: E402
 from ft_accum.testing import make_tiny_chat_lm, write_jsonl  # noqa: E402
-from ft_accum.testing.benchmarking import machine_info, run_recipe  # noqa: E402
-from ft_accum.training import generation_round  # noqa: E402
+from ft_accum.testing.benchmarking import machine_info, run_recipe, timed_generation_rounds  # noqa: E402
 
 PROMPTS_PER_CALL = (1, 8)
 
@@ -46,21 +44,6 @@ def prompt_files(path: Path) -> dict[str, Path]:
     return {split: write_jsonl(path / f"{split}.jsonl", rows) for split, rows in splits.items()}
 
 
-def timed_rounds(record: list[dict]):
-    """generation_round.generate_round, appending each call's seconds and sampled tokens to `record`."""
-    generate_round = generation_round.generate_round
-
-    def timed(*args, **kwargs):
-        started = time.perf_counter()
-        completions = generate_round(*args, **kwargs)
-        seconds = time.perf_counter() - started
-        tokens = sum(len(c.completion_ids) for c in completions)
-        record.append({"seconds": seconds, "completion_tokens": tokens, "completions": len(completions)})
-        return completions
-
-    return timed
-
-
 def run(model_dir: Path, files: dict, prompts_per_call: int, quick: bool) -> dict:
     rounds = 1 if quick else 3
     # recipes/configs/grpo.yaml's LoRA and LR spelled out: run_recipe passes --config=none
@@ -72,12 +55,8 @@ def run(model_dir: Path, files: dict, prompts_per_call: int, quick: bool) -> dic
         "checkpointing_steps": 1000, "seed": 42, "use_lora": True, "lora_r": 16, "lora_alpha": 32,
         "lora_target_modules": "all-linear", "learning_rate": 5e-5, "lr_scheduler_type": "constant",
     }  # fmt: skip
-    record: list[dict] = []
-    generate_round, generation_round.generate_round = generation_round.generate_round, timed_rounds(record)
-    try:
+    with timed_generation_rounds() as record:
         results, metrics = run_recipe("grpo", [f"--{k}={v}" for k, v in flags.items()], in_process=True)
-    finally:
-        generation_round.generate_round = generate_round
     steady = record[1:] or record  # the first round warms up
     generation = statistics.median(r["seconds"] for r in steady)
     return {

@@ -165,9 +165,10 @@ def check_mixed_precision(
         }
 
 
-def random_model_dir(config, task: str, path: Path) -> Path:
+def random_model_dir(config, task: str, path: Path, tokenizer_dir: Path | None = None) -> Path:
     """A model of `task` built from `config` with random weights (on the GPU when there is one, in
-    bf16 for the larger ones), saved with the MiniLM tokenizer ([SEP] as end of text), which main()
+    bf16 for the larger ones), saved with the tokenizer in `tokenizer_dir` as it is (check 7: SmolLM2's,
+    with its chat template), else with the MiniLM tokenizer ([SEP] as end of text), which main()
     saves first, beside `path`. For a `qwen2` model, transformers reads those files with its Qwen2
     tokenizer class, which splits text into characters: harmless for the memory cells, which fill
     fixed-length blocks."""
@@ -180,6 +181,9 @@ def random_model_dir(config, task: str, path: Path) -> Path:
         model = getattr(transformers, AUTO_CLASS[task]).from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
     del model
+    if tokenizer_dir is not None:
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+        return path
     tokenizer = AutoTokenizer.from_pretrained(path.parent / MINILM)
     tokenizer.eos_token = tokenizer.sep_token  # the causal-LM recipe ends each packed document with it
     tokenizer.save_pretrained(path)
@@ -614,38 +618,22 @@ def check_instruction_tuning(models: Path, dry_run: bool) -> Iterator[dict]:
         }
 
 
-def chat_model_dir(source: Path, path: Path) -> Path:
-    """A causal LM of `source`'s config with seeded random weights (bf16 on the GPU), saved with its
-    tokenizer and chat template: SmolLM2-135M-Instruct's sizes from the config gpu_prepare.py carries."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(source).save_pretrained(path)
-    return path
-
-
 class GrpoPhases:
     """Patches recipes/grpo.py's generation (every `every_rank.generate`: the rounds and the greedy
     evaluations) to keep the CUDA peak of generating apart from the peak of everything else (the
-    training), and times each round's `generate_round`. Also records the widest completion batch the
-    training built: the sequence and completion lengths the planner must be given."""
+    training). Also records the widest completion batch the training built: the sequence and
+    completion lengths the planner must be given."""
 
     def __init__(self):
         from ft_accum.training import every_rank, generation_round
 
         self.modules, self.training_peak, self.generation_peak = (every_rank, generation_round), 0.0, 0.0
-        self.round_seconds, self.round_tokens, self.seq_len, self.completion_length = [], [], 0, 0
-        self.originals = (every_rank.generate, generation_round.generate_round, generation_round.completion_batch)
+        self.seq_len, self.completion_length = 0, 0
+        self.originals = (every_rank.generate, generation_round.completion_batch)
 
     def __enter__(self):
-        from ft_accum.testing.benchmarking import now
-
         every_rank, generation_round = self.modules
-        generate, generate_round, completion_batch = self.originals
+        generate, completion_batch = self.originals
 
         def phase_generate(*args, **kwargs):
             self.training_peak = max(self.training_peak, cuda_peak_gib())
@@ -655,26 +643,18 @@ class GrpoPhases:
             reset_cuda_peak()
             return output
 
-        def timed_round(*args, **kwargs):
-            started = now()
-            completions = generate_round(*args, **kwargs)
-            self.round_seconds.append(now() - started)
-            self.round_tokens.append(sum(len(c.completion_ids) for c in completions))
-            return completions
-
         def measured_batch(*args, **kwargs):
             batch = completion_batch(*args, **kwargs)
             self.seq_len = max(self.seq_len, batch["input_ids"].shape[1])
             self.completion_length = max(self.completion_length, batch["completion_ids"].shape[1])
             return batch
 
-        every_rank.generate, generation_round.generate_round = phase_generate, timed_round
-        generation_round.completion_batch = measured_batch
+        every_rank.generate, generation_round.completion_batch = phase_generate, measured_batch
         return self
 
     def __exit__(self, *exc):
         every_rank, generation_round = self.modules
-        every_rank.generate, generation_round.generate_round, generation_round.completion_batch = self.originals
+        every_rank.generate, generation_round.completion_batch = self.originals
         self.training_peak = max(self.training_peak, cuda_peak_gib())  # the updates after the last generation
 
 
@@ -692,6 +672,7 @@ def check_grpo(models: Path, smollm2: Path | None, dry_run: bool) -> Iterator[di
 
     from ft_accum.planner.memory_planner import trace_micro_batches
     from ft_accum.testing import make_tiny_chat_lm
+    from ft_accum.testing.benchmarking import timed_generation_rounds
 
     micro, accumulation, generations, length = 16, 4, 8, 256
     if dry_run:  # the tests' 2-layer, 32-wide Llama: a smoke test of the runs, not figures
@@ -701,7 +682,9 @@ def check_grpo(models: Path, smollm2: Path | None, dry_run: bool) -> Iterator[di
         from ft_accum.data.offline_assets import bundled_smollm2_dir
 
         smollm2 = smollm2 or bundled_smollm2_dir()
-    model_dir = chat_model_dir(smollm2, models / "smollm2-135m-random")
+    model_dir = random_model_dir(
+        AutoConfig.from_pretrained(smollm2), "causal_lm", models / "smollm2-135m-random", smollm2
+    )
     prompts_a_round = micro * accumulation // generations
     first = None
     for per_call in (prompts_a_round, 1):
@@ -723,10 +706,10 @@ def check_grpo(models: Path, smollm2: Path | None, dry_run: bool) -> Iterator[di
             "--learning_rate=5e-5",
             "--lr_scaling=none",
         ]
-        with GrpoPhases() as phases:
+        with GrpoPhases() as phases, timed_generation_rounds() as rounds:
             recipe_run("grpo", args, "bf16")
-        seconds = statistics.median(phases.round_seconds)
-        tokens = sum(phases.round_tokens) / sum(phases.round_seconds)
+        seconds = statistics.median(r["seconds"] for r in rounds)
+        tokens = sum(r["completion_tokens"] for r in rounds) / sum(r["seconds"] for r in rounds)
         first = first or (per_call, seconds)
         yield {
             "check": f"GRPO generation, {per_call} prompt(s) a generate() call, {prompts_a_round} prompts × "

@@ -7,6 +7,7 @@ left out; the report gives the median over repeats and the median of the per-rep
 (variants run back to back within a repeat, so a ratio compares like with like).
 """
 
+import contextlib
 import statistics
 import time
 
@@ -34,6 +35,30 @@ class UpdateClock:
 
     def rates(self, items_per_update: float) -> list[float]:
         return [items_per_update / (b - a) for a, b in zip(self.stamps, self.stamps[1:])]
+
+
+@contextlib.contextmanager
+def timed_generation_rounds():
+    """Times each call of `generation_round.generate_round` (GRPO's round) while the block runs:
+    yields a list that gets, per round, its seconds (`now`: the GPU's queued work included), its
+    completions and their tokens."""
+    from ft_accum.training import generation_round
+
+    rounds: list[dict] = []
+    generate_round = generation_round.generate_round
+
+    def timed(*args, **kwargs):
+        started = now()
+        completions = generate_round(*args, **kwargs)
+        rounds.append({"seconds": now() - started, "completions": len(completions),
+                       "completion_tokens": sum(len(c.completion_ids) for c in completions)})  # fmt: skip
+        return completions
+
+    generation_round.generate_round = timed
+    try:
+        yield rounds
+    finally:
+        generation_round.generate_round = generate_round
 
 
 def optimizer_state_bytes(optimizer) -> int:
