@@ -774,4 +774,4 @@ def write_search_results(output_dir: Path, records: list[dict], search: dict) ->
     """results.md (`summary_lines`) and results.json."""
     best = best_record(records, search["direction"])
     write_atomically(output_dir / "results.json", json.dumps({"trials": records, "best": best}, indent=2) + "\n")
-    (output_dir / "results.md").write_text("\n".join(summary_lines(records, search)) + "\n")
+    write_atomically(output_dir / "results.md", "\n".join(summary_lines(records, search)) + "\n")
