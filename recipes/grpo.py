@@ -27,7 +27,8 @@ all_results.json, checkpoints/step_XXXXXX/ (a resume at a round's end continues 
 """
 
 import copy
-import random
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,9 +38,7 @@ from accelerate.utils import set_seed
 from transformers import AutoTokenizer
 
 from ft_accum.core import grpo_loss
-from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
-from ft_accum.core.loss_normalization import AccumulationWindow
 from ft_accum.data import chat_data, data_sources, offline_assets, rewards
 from ft_accum.models import loading, lora
 from ft_accum.training import every_rank, generation_round, run_setup, training_state
@@ -184,10 +183,10 @@ def evaluate(task, accelerator, model, tokenizer, rows, functions, weights) -> d
 
 
 def sample_round(
-    task, accelerator, model, tokenizer, rows, indices, functions, weights, sampling, layout, *, seed, round_index
+    task, accelerator, model, tokenizer, rows, rewarding, sampling, layout, indices, *, seed, round_index
 ):
-    """A round: the completions of the prompts `rows[indices]`, their rewards (weighted, and per
-    function), and this process's micro-batches ({k: batch}, `layout.own`), each with its group
+    """A round (`generation_round.SampledRound`): the completions of the prompts `rows[indices]`, their
+    rewards (weighted, and per function), and this process's micro-batches, each with its group
     advantages and, when the round makes more than one update, the log-probs of the policy that
     sampled it (without them the update is on-policy: the ratio is 1)."""
     prompt_ids = [rows[i]["prompt_ids"] for i in indices]
@@ -196,9 +195,7 @@ def sample_round(
     )
     texts = tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
     prompt_indices = [c.prompt_index for c in completions]
-    scored, per_function = rewards.weighted_rewards(
-        functions, weights, rows, prompt_indices, texts, task.prompt_column
-    )
+    scored, per_function = rewards.weighted_rewards(*rewarding, rows, prompt_indices, texts, task.prompt_column)
     scored = torch.tensor(scored)
     advantages = grpo_loss.group_advantages(scored, task.num_generations, task.scale_rewards)
     batches = generation_round.micro_batches(
@@ -209,7 +206,7 @@ def sample_round(
         if layout.passes > 1:  # the same number of forwards on every process: FSDP gathers in each
             with torch.no_grad():
                 batch["old_log_probs"] = generation_round.completion_log_probs(model, batch)[0]
-    return completions, scored, per_function, batches
+    return generation_round.SampledRound(completions, scored, per_function, batches)
 
 
 def micro_batch_loss(task, accelerator, model, reference, batch):
@@ -237,15 +234,21 @@ def train(task, args):
         if getattr(args, flag):
             raise ConfigError(f"--{flag}: grpo sizes each update from its round of completions; drop the flag")
     accelerator = run_setup.build_accelerator(task, args, "grpo", loss_weighted_by="tokens")
-    plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    plan = args.batch_plan(accelerator.num_processes)
     set_seed(args.seed)
     with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
         model, reference, tokenizer = build_model(task, args, accelerator)
     splits = load_prompts(task, args, tokenizer)
     functions = rewards.load_reward_functions(task.reward_funcs)
-    weights = rewards.reward_weights(task.reward_weights, len(functions))
-    layout = generation_round.round_layout(plan, task.generation_batch_size, task.num_generations, task.num_iterations,
-                                           len(splits["train"]), accelerator.process_index)  # fmt: skip
+    rewarding = functions, rewards.reward_weights(task.reward_weights, len(functions))
+    layout = generation_round.round_layout(
+        plan,
+        task.generation_batch_size,
+        task.num_generations,
+        task.num_iterations,
+        len(splits["train"]),
+        accelerator.process_index,
+    )
     run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
     optimizer = run_setup.build_optimizer(
         model,
@@ -257,7 +260,7 @@ def train(task, args):
     model, optimizer = accelerator.prepare(model, optimizer)
     batches_per_epoch = layout.rounds_per_epoch * layout.passes * plan.accumulation
     schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=batches_per_epoch)
-    lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
+    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     banner_rows = {
         "round": f"{layout.prompts} prompts × {task.num_generations} = {layout.completions} completions, "
         f"{layout.updates} update(s); {min(task.generation_prompts_per_call, layout.prompts)} per generate() call",
@@ -273,59 +276,56 @@ def train(task, args):
     tracker = training_state.RunTracker(
         accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
+    evaluate_prompts = functools.partial(evaluate, task, accelerator, model, tokenizer, splits["validation"])
     with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluate(task, accelerator, model, tokenizer, splits["validation"], functions, weights)
+        eval_metrics = initial_eval = evaluate_prompts(*rewarding)
     accelerator.print(f"before training: eval_reward {initial_eval['eval_reward']:.3f}")
-    nominal = plan.micro * task.max_completion_length  # any constant works; this one keeps losses O(1)
-    sampling = generation_round.Sampling(task.num_generations, task.max_completion_length, task.temperature,
-                                         task.top_p, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                         task.generation_prompts_per_call)  # fmt: skip
-    eval_metrics, done = initial_eval, False
+    sampling = generation_round.Sampling(
+        task.num_generations,
+        task.max_completion_length,
+        task.temperature,
+        task.top_p,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        task.generation_prompts_per_call,
+    )
+    sample = functools.partial(
+        sample_round, task, accelerator, model, tokenizer, splits["train"], rewarding, sampling, layout, seed=args.seed
+    )
+    train_windows = generation_round.RoundWindows(
+        accelerator,
+        state,
+        plan,
+        layout,
+        scheduler=schedule,
+        num_prompts=len(splits["train"]),
+        seed=args.seed,
+        sample=sample,
+        count_items=lambda batch: grpo_loss.loss_items(task.loss_type, batch["completion_mask"]),
+    )
     model.train()
-    while state.epoch < schedule.num_epochs and not done:
-        order = random.Random(args.seed * 1000 + state.epoch).sample(range(len(splits["train"])), len(splits["train"]))
-        first_round = state.epoch_samples // (
-            layout.passes * layout.micro * plan.accumulation
-        )  # where a resume re-enters
-        for round_index in range(first_round, layout.rounds_per_epoch):
-            indices = order[round_index * layout.prompts : (round_index + 1) * layout.prompts]
-            completions, scored, per_function, batches = sample_round(
-                task, accelerator, model, tokenizer, splits["train"], indices, functions, weights, sampling, layout,
-                seed=args.seed, round_index=state.epoch * layout.rounds_per_epoch + round_index,
-            )  # fmt: skip
-            for update in range(layout.passes):
-                u = update % layout.updates  # the update trains on completions [u·E, (u+1)·E)
-                window = AccumulationWindow(accelerator.device, max_grad_norm=args.max_grad_norm)
-                logs = torch.zeros(4, device=accelerator.device)
-                for k in layout.own[u]:  # this process's micro-batches of that update
-                    batch = batches[k]
-                    with accelerator.accumulate(model):
-                        per_token, clipped, entropy, kl = micro_batch_loss(task, accelerator, model, reference, batch)
-                        mask = batch["completion_mask"]
-                        loss_sum, items = grpo_loss.loss_sums(
-                            task.loss_type, per_token, mask, task.max_completion_length
-                        )
-                        window.add(loss_sum=loss_sum, items=items, samples=len(mask), tokens=mask.sum())
-                        logs += torch.stack([(x * mask).sum() for x in (clipped.float(), entropy, kl, mask)])
-                        accelerator.backward(loss_sum / nominal)
-                        if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the update's items
-                            totals = window.finish(accelerator, model, plan=plan, nominal=nominal, state=state)
-                        optimizer.step()
-                        lr_scheduler.step()
-                        optimizer.zero_grad()
-                rows = slice(u * plan.effective, (u + 1) * plan.effective)
-                columns = generation_round.update_metrics(
-                    accelerator, scored, per_function, rows, completions, logs, functions
-                )
-                if tracker.end_update(totals, plan, lr_scheduler, batches_per_epoch=batches_per_epoch, **columns):
-                    done = True
-                    break
-            if done:
-                break
-        with tracker.paused():
-            eval_metrics = evaluate(task, accelerator, model, tokenizer, splits["validation"], functions, weights)
-        accelerator.print(f"epoch {state.epoch}: eval_reward {eval_metrics['eval_reward']:.3f}")
-        state.next_epoch()
+    for window in train_windows:  # one update from a round; window.num_items: its completions or tokens, all processes
+        logs = torch.zeros(4, device=accelerator.device)  # clipped, entropy, KL, counted tokens
+        for batch in window:
+            with accelerator.accumulate(model):
+                per_token, clipped, entropy, kl = micro_batch_loss(task, accelerator, model, reference, batch)
+                mask = batch["completion_mask"]
+                loss_sum, _ = grpo_loss.loss_sums(task.loss_type, per_token, mask, task.max_completion_length)
+                accelerator.backward(loss_sum * window.scale)  # scale = N·P / the update's items (--loss_type)
+                window.add_loss(loss_sum)
+                logs += torch.stack([(x * mask).sum() for x in (clipped.float(), entropy, kl, mask)])
+                if accelerator.sync_gradients:  # the window's last micro-batch: a NaN loss stops before the step
+                    window.check_finite_loss()
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+        columns = generation_round.update_metrics(accelerator, window, logs, functions)
+        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0], **columns)
+        if window.ends_epoch:
+            with tracker.paused():
+                eval_metrics = evaluate_prompts(*rewarding)
+            accelerator.print(f"epoch {state.epoch}: eval_reward {eval_metrics['eval_reward']:.3f}")
     return tracker.finish(
         model, tokenizer=tokenizer, plan=plan, **eval_metrics, initial_eval_reward=initial_eval["eval_reward"]
     )

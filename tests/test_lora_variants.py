@@ -9,9 +9,9 @@ import pytest
 from conftest import ROOT, error_of, make_documents, tiny_lm_args, write_jsonl
 
 from ft_accum.cli.check import check, format_table
-from ft_accum.core.accumulation_schedule import set_peak_learning_rate
 from ft_accum.models.lora import LoraSettings, apply_lora
 from ft_accum.testing import make_conversations, make_preference_pairs
+from ft_accum.training.accumulation_scheduler import set_peak_learning_rate
 from ft_accum.training.arguments import TrainingArguments
 from ft_accum.training.run_setup import build_optimizer
 

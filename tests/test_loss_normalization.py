@@ -9,8 +9,7 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.core.loss_normalization import (
     check_finite_window,
     check_skipped_updates,
-    scale_gradients_,
-    window_gradient_scale,
+    window_loss_scale,
 )
 
 
@@ -21,32 +20,29 @@ def full_batch_gradient(model, x, y):
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    sizes=st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=4), min_size=1, max_size=3),
-    nominal=st.integers(1, 8),
-)
-def test_corrected_accumulation_equals_the_full_batch_gradient(sizes, nominal):
+@given(sizes=st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=4), min_size=1, max_size=3))
+def test_the_window_scale_makes_accumulation_equal_the_full_batch_gradient(sizes):
     """sizes[p][i]: items in micro-batch i on process p; windows may be short and uneven.
 
-    Each process backpropagates S/(c·N) per micro-batch (Accelerate's /N), then the processes'
-    gradients are averaged (DDP); the correction must turn that into the mean over all items.
+    Each process backpropagates S · s / N per micro-batch (s = window_loss_scale, then Accelerate's
+    /N), then the processes' gradients are averaged (DDP): that must be the mean over all items.
     """
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3).double()
     num_processes, accumulation = len(sizes), max(len(s) for s in sizes)
     batches = [[(torch.randn(n, 5, dtype=torch.double), torch.randint(0, 3, (n,))) for n in proc] for proc in sizes]
+    total = sum(sum(proc) for proc in sizes)
+    scale = window_loss_scale(total, accumulation, num_processes)
 
     per_process = []
     for proc in batches:
         model.zero_grad()
         for x, y in proc:
             loss_sum = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
-            (loss_sum / nominal / accumulation).backward()
+            (loss_sum * scale / accumulation).backward()
         per_process.append([p.grad.clone() for p in model.parameters()])
     for p, *grads in zip(model.parameters(), *per_process):
         p.grad = torch.stack(grads).mean(0)  # what DDP's all-reduce leaves
-    total = sum(sum(proc) for proc in sizes)
-    scale_gradients_(model.parameters(), window_gradient_scale(total, nominal, accumulation, num_processes))
     accumulated = torch.cat([p.grad.flatten() for p in model.parameters()])
 
     x = torch.cat([x for proc in batches for x, _ in proc])
@@ -56,21 +52,16 @@ def test_corrected_accumulation_equals_the_full_batch_gradient(sizes, nominal):
     torch.testing.assert_close(accumulated, expected, rtol=1e-12, atol=1e-14)
 
 
-def test_full_fixed_size_windows_need_no_correction():
-    assert (
-        window_gradient_scale(window_items=8 * 4 * 2, nominal_items=8, gradient_accumulation_steps=4, num_processes=2)
-        == 1.0
-    )
-
-
-def test_short_last_window_is_scaled_up():
-    # One micro-batch of 4 in a window of N=4 with c=4: Accelerate divided by 4 too many.
-    assert window_gradient_scale(4, 4, 4, 1) == 4.0
+def test_the_window_scale_undoes_backwards_division_and_ddps_average():
+    # 8 micro × 4 accumulation × 2 processes = 64 items: N·P/T = 4·2/64.
+    assert window_loss_scale(window_items=64, backward_divisor=4, num_processes=2) == 0.125
+    # A short last window of one micro-batch of 4 items: Accelerate divides by that window's N = 1.
+    assert window_loss_scale(4, 1, 1) == 0.25
 
 
 def test_empty_window_is_an_error():
     with pytest.raises(ValueError, match="at least one item"):
-        window_gradient_scale(0, 8, 4, 1)
+        window_loss_scale(0, 4, 1)
 
 
 def test_a_non_finite_window_names_the_update_micro_batch_and_checkpoint():

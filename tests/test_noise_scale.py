@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from ft_accum.core.errors import ConfigError
-from ft_accum.core.noise_scale import noise_scale, noise_scale_terms, register_micro_batch_hooks, update_ema
+from ft_accum.core.noise_scale import noise_scale, noise_scale_terms, update_ema
+from ft_accum.training.noise_meter import register_micro_batch_hooks
 
 
 def measured_noise_scale(
@@ -104,7 +105,8 @@ def test_the_estimate_does_not_depend_on_how_the_window_is_split():
 def weighted_estimate(sizes_cycle, harmonic: bool, sigma2: float = 10.0, updates: int = 400, dim: int = 50) -> float:
     """Micro-batches of unequal sizes, as token counts are: the library's add_micro_batch and
     window_noise_terms, fed by real backward passes of the token-weighted loss (sum / nominal)."""
-    from ft_accum.core.noise_scale import add_micro_batch, window_noise_terms
+    from ft_accum.core.noise_scale import window_noise_terms
+    from ft_accum.training.noise_meter import add_micro_batch
 
     generator = torch.Generator().manual_seed(5)
     w = torch.nn.Parameter(torch.ones(dim, dtype=torch.float64))
@@ -118,7 +120,7 @@ def weighted_estimate(sizes_cycle, harmonic: bool, sigma2: float = 10.0, updates
             (0.5 * (w - x).pow(2).sum() / (nominal * accumulation)).backward()
             add_micro_batch(sums, micro_sq, size / (nominal * accumulation), size)
         total = sum(sizes_cycle)
-        w.grad *= nominal * accumulation / total  # the window's true mean, as scale_gradients_ makes it
+        w.grad *= nominal * accumulation / total  # the window's true mean, as window.scale makes it
         if not harmonic:  # the naive alternative: the arithmetic mean size as "b"
             sums[1] = sums[2] ** 2 / total
         small, g2, trace = window_noise_terms(sums, float(w.grad.pow(2).sum()), total)

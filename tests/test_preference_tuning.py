@@ -234,36 +234,3 @@ def test_split_windows_and_two_ddp_processes_equal_the_full_batch(tmp_path, chat
                 assert ours["reward_accuracy"] == theirs["reward_accuracy"], (variant, key)
                 # a difference of two rewards of ~1: its relative error is not what fp32 summation order bounds
                 assert ours["reward_margin"] == pytest.approx(theirs["reward_margin"], abs=1e-5), (variant, key)
-
-
-def test_window_totals_are_known_before_the_window_and_the_short_last_window_still_syncs_once():
-    """The look-ahead replays Accelerate's `end_of_dataloader` flag: on 14 rows at 2 × 4, the
-    windows hold 4 and 3 micro-batches, `accumulate()` syncs at exactly the 4th and the 7th (without
-    the replay, at each of the last 3, which the loader marks as its end once they are fetched), and
-    each micro-batch sees its window's total before its forward. Fails if an Accelerate upgrade
-    changes how `accumulate()` learns the end of the loader."""
-    from accelerate import Accelerator
-    from torch.utils.data import DataLoader
-
-    from ft_accum.core.batch_arithmetic import BatchPlan, apply_batch_plan
-    from ft_accum.testing import reset_accelerate_state
-    from ft_accum.training.training_state import TrainingState, remaining_batches_with_window_totals
-
-    try:
-        accelerator = Accelerator(cpu=True)
-        plan = apply_batch_plan(accelerator, BatchPlan(micro=2, accumulation=4, processes=1))
-        model = torch.nn.Linear(1, 1)
-        loader = DataLoader([{"x": torch.tensor([float(i)])} for i in range(14)], batch_size=2)
-        model, loader = accelerator.prepare(model, loader)
-        state = TrainingState(effective_batch_size=8)
-        seen = []
-        for epoch in range(2):  # the second epoch checks that the loader ended the first one cleanly
-            state.epoch = epoch
-            count = lambda batch: torch.tensor([float(len(batch["x"]))])  # noqa: E731
-            for batch, _, totals in remaining_batches_with_window_totals(accelerator, loader, state, plan, count):
-                with accelerator.accumulate(model):
-                    seen.append((len(batch["x"]), float(totals[0]), accelerator.sync_gradients))
-        first, last = [(2, 8.0, False)] * 3 + [(2, 8.0, True)], [(2, 6.0, False)] * 2 + [(2, 6.0, True)]
-        assert seen == (first + last) * 2, seen
-    finally:
-        reset_accelerate_state()

@@ -30,9 +30,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ft_accum.core.batch_arithmetic import apply_batch_plan
 from ft_accum.core.errors import ConfigError
-from ft_accum.core.lr_schedule import build_lr_scheduler
 
 FORMAT = (
     '"UPDATE:EFFECTIVE_BATCH,..." (e.g. "100:64,300:128"), "epochN:EFFECTIVE_BATCH,..." '
@@ -228,91 +226,3 @@ def next_effective_batch(
     return adaptive_effective_batch(
         schedule, measured_noise_scale, effective_batch_size, start_effective_batch_size, update - last_change
     )
-
-
-def set_peak_learning_rate(optimizer, lr_scheduler, learning_rate: float) -> None:
-    """Make `learning_rate` the peak LR of a running LambdaLR-style scheduler, from now on.
-
-    The scheduler multiplies its `base_lrs` by the schedule factor, so both are replaced and the
-    current LR is rescaled by the same ratio; warmup and decay carry on where they were. A group
-    with an `lr_ratio` (LoRA+'s B matrices) keeps that ratio to the peak.
-    """
-    scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # Accelerate wraps it
-    for i, group in enumerate(optimizer.param_groups):
-        peak = learning_rate * group.get("lr_ratio", 1.0)
-        group["lr"] *= peak / scheduler.base_lrs[i]
-        group["initial_lr"] = peak
-        scheduler.base_lrs[i] = peak
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-
-
-class AccumulationScheduler:
-    """`--accumulation_schedule` in a recipe: the window plan and the LR scheduler's length up front,
-    a hook at each window's start.
-
-    Without a schedule it plans fixed windows and its hooks change nothing, so a recipe runs the
-    same loop either way. The one place the effective batch changes mid-run is `at_window_start`,
-    through `BatchPlan.resplit` and `apply_batch_plan`. Build it after `accelerator.prepare`: the
-    prepared dataloader holds this process's share of the batches.
-    """
-
-    def __init__(
-        self,
-        plan,
-        batches_per_epoch: int,
-        *,
-        accumulation_schedule: str | None,
-        num_train_epochs: int,
-        max_train_steps: int | None,
-        lr_scheduler_type: str,
-        num_warmup_steps: int,
-        scaled_learning_rate,
-    ):
-        """`scaled_learning_rate(effective_batch)` is the peak LR for an effective batch (--lr_scaling)."""
-        self.start, self.processes = plan.effective, plan.processes
-        self.lr_scheduler_type, self.num_warmup_steps = lr_scheduler_type, num_warmup_steps
-        self.scaled_learning_rate = scaled_learning_rate
-        self.schedule = parse_accumulation_schedule(accumulation_schedule)
-        check_schedule(self.schedule, plan.micro, plan.processes, plan.effective)
-        self.windows = plan_windows(
-            batches_per_epoch, num_train_epochs, plan.micro, plan.processes, self.start, self.schedule, max_train_steps
-        )
-        self.num_update_steps = sum(map(len, self.windows))
-        self.num_epochs = len(self.windows)
-
-    def lr_scheduler(self, optimizer):
-        """--lr_scheduler_type over the planned updates (see lr_schedule); pass it through `accelerator.prepare`."""
-        return build_lr_scheduler(
-            self.lr_scheduler_type, optimizer, self.num_warmup_steps, self.num_update_steps, self.processes
-        )
-
-    def at_window_start(self, accelerator, optimizer, lr_scheduler, plan, state, *, measured_noise_scale):
-        """The plan of the window about to start; a change re-applies --lr_scaling to the new effective batch."""
-        if self.schedule is None:
-            return plan
-        target = next_effective_batch(
-            self.schedule,
-            self.start,
-            state.step,
-            state.epoch,
-            state.effective_batch_size,
-            state.last_change,
-            measured_noise_scale,
-        )
-        if target != state.effective_batch_size:
-            state.effective_batch_size, state.last_change = target, state.step
-        if target == plan.effective:  # else: a change, or the resume of a run that changed
-            return plan
-        plan = apply_batch_plan(accelerator, plan.resplit(target))
-        learning_rate = self.scaled_learning_rate(target)
-        set_peak_learning_rate(optimizer, lr_scheduler, learning_rate)
-        accelerator.print(f"update {state.step}: effective batch {plan.describe()}, peak lr {learning_rate:.3g}")
-        return plan
-
-    def catch_up_lr(self, lr_scheduler, window_samples: float) -> int:
-        """After an update's own `lr_scheduler.step()`: the extra steps an adaptive schedule owes
-        (`scheduler_advance`). Returns the scheduler steps this update counts for."""
-        advance = scheduler_advance(self.schedule, window_samples, self.start)
-        for _ in range(advance - 1):
-            lr_scheduler.step()
-        return advance

@@ -106,8 +106,8 @@ def updates_per_epoch(batches_per_epoch: int, gradient_accumulation_steps: int) 
 @dataclass(frozen=True)
 class BatchPlan:
     """How one optimizer update is split: `micro` samples per micro-batch, `accumulation`
-    micro-batches per update, on `processes` processes. Frozen: a change is a new plan, and
-    `apply_batch_plan` is the one place that hands it to the Accelerator.
+    micro-batches per update, on `processes` processes. Frozen: a change is a new plan; each
+    window hands its own micro-batch count to the Accelerator (training/windows.py).
     """
 
     micro: int
@@ -154,19 +154,3 @@ class BatchPlan:
             f"{self.micro} micro × {self.accumulation} accumulation × {self.processes} "
             f"process{'es' if self.processes != 1 else ''} = {self.effective} {unit} per update"
         )
-
-
-def apply_batch_plan(accelerator, plan: BatchPlan) -> BatchPlan:
-    """Make `plan` the Accelerator's accumulation; call it only between two updates.
-
-    Accelerate syncs when its micro-batch counter is a multiple of `gradient_accumulation_steps`
-    (accelerate/accelerator.py, `_do_sync`), so the counter restarts with the new window. Accelerate
-    has no public way to restart it: `accelerator.step` is written here and nowhere else, and
-    tests/test_batch_arithmetic.py checks on a real Accelerator that the next window syncs after
-    exactly `plan.accumulation` micro-batches (it fails if an upgrade renames the counter).
-    """
-    if plan.processes != accelerator.num_processes:
-        raise ValueError(f"the plan is for {plan.processes} processes, the run has {accelerator.num_processes}")
-    accelerator.gradient_accumulation_steps = plan.accumulation
-    accelerator.step = 0
-    return plan

@@ -103,6 +103,14 @@ def dr_grpo_sums(
     return (per_token * mask).sum() / max_completion_length, per_token.new_tensor(len(mask))
 
 
+def loss_items(loss_type: str, mask: torch.Tensor) -> torch.Tensor:
+    """What `loss_type`'s update loss is a mean over, in one micro-batch: counted tokens (`dapo`: Σ m_it)
+    or completions (`grpo`, `dr_grpo`). The same as the items `loss_sums` returns, known before the forward."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss type {loss_type!r}; one of {', '.join(LOSS_TYPES)}")
+    return mask.sum() if loss_type == "dapo" else mask.new_tensor(len(mask))
+
+
 def loss_sums(
     loss_type: str, per_token: torch.Tensor, mask: torch.Tensor, max_completion_length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

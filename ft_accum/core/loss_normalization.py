@@ -6,61 +6,41 @@ in the window, summed over all processes:
     g* = Σ_p Σ_i ∇S_{p,i} / T
 
 where S_{p,i} is the *summed* loss of micro-batch i on process p and T the number of items in
-the whole window on all processes. What actually lands in `.grad` when each micro-batch
-backpropagates S / c (c: a fixed nominal item count, e.g. the micro-batch size) is
+the whole window on all processes. `accelerator.backward` divides every loss by N (the
+gradient_accumulation_steps it was given; accelerate/accelerator.py, Accelerator.backward) and
+DDP/FSDP average the gradient over the P processes, so backpropagating S_{p,i} · s with
 
-    g  = (1/P) Σ_p Σ_i ∇S_{p,i} / (c · N)
+    s = N · P / T                                              (window_loss_scale)
 
-because `accelerator.backward` always divides by N = gradient_accumulation_steps
-(accelerate/accelerator.py, Accelerator.backward), even on the incomplete last window of an
-epoch, and DDP/FSDP average the gradient over the P processes. Hence
-
-    g* = g × c · N · P / T
-
-which is 1 for every full window of a fixed-size task, and corrects the incomplete last window
-that Accelerate and Lightning divide by N anyway (Lightning-AI/pytorch-lightning#19987; fixed in
-transformers#39659). T is only known at the sync step, so the correction multiplies the
-accumulated gradient once, before clipping: no prefetching of batches is needed.
-
-DeepSpeed steps inside `accelerator.backward`, so there is no point between the last backward
-and the step at which to rescale; under DeepSpeed only full windows are exact.
+leaves exactly g* in `.grad`. T is counted before the window's first forward (the Transformers
+Trainer's `num_items_in_batch`; training/windows.py fetches the window and all-reduces its
+count), so the short last window of an epoch, which Accelerate and Lightning divide by N anyway
+(Lightning-AI/pytorch-lightning#19987; fixed in transformers#39659), and uneven shares across
+processes are exact too, and nothing is rescaled after the backward. DeepSpeed, which steps
+inside `accelerator.backward`, then gets the right gradient as well (benchmarks/deepspeed_cpu_probe.py:
+the window-count loss measured 1.0000004 of g*).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 from ft_accum.core.errors import ConfigError
 
 
-def window_gradient_scale(
-    window_items: float, nominal_items: float, gradient_accumulation_steps: int, num_processes: int
-) -> float:
-    """c · N · P / T: the factor that turns the accumulated gradient into the window mean.
+def window_loss_scale(window_items: float, backward_divisor: int, num_processes: int) -> float:
+    """s = N · P / T: what each micro-batch's summed loss is multiplied by before `accelerator.backward`.
 
     Args:
-        window_items: T, items in the window summed over all processes.
-        nominal_items: c, the constant each micro-batch's summed loss was divided by.
-        gradient_accumulation_steps: N, what `accelerator.backward` divided by.
-        num_processes: P, what DDP averaged over.
+        window_items: T, the items the loss is a mean over, in the whole window on all processes.
+        backward_divisor: N, what `accelerator.backward` divides by (the window's micro-batches).
+        num_processes: P, what DDP/FSDP average the gradient over.
     """
     if window_items <= 0:
         raise ValueError(f"an accumulation window must hold at least one item, got {window_items}")
-    return nominal_items * gradient_accumulation_steps * num_processes / window_items
-
-
-@torch.no_grad()
-def scale_gradients_(parameters: Iterable[torch.nn.Parameter], factor: float) -> None:
-    """Multiply every existing `.grad` by `factor` in place (a no-op when factor is exactly 1)."""
-    if factor == 1.0:
-        return
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, factor)
+    return backward_divisor * num_processes / window_items
 
 
 def causal_lm_loss_sum(
@@ -125,65 +105,3 @@ def check_skipped_updates(consecutive_skipped: int, limit: int, update: int, las
             f"overflow at every loss scale; last good checkpoint: {last_checkpoint or 'none'}. Use bf16 (accelerate_configs/single_gpu_bf16.yaml), "
             "lower --learning_rate, or raise --max_consecutive_skipped_updates"
         )
-
-
-@dataclass(frozen=True)
-class WindowTotals:
-    """One window's sums over all processes, read once at its sync step."""
-
-    loss: float  # the window-mean loss: summed loss / items
-    items: float  # what the loss is a mean over: samples, or target tokens
-    samples: float
-    tokens: float
-    grad_norm: float  # before clipping
-    micro_batches: int  # this process's
-
-
-class AccumulationWindow:
-    """This process's sums over one accumulation window, and the sync step that turns the
-    accumulated gradient into the exact window mean.
-
-    Each micro-batch backpropagates its *summed* loss over a constant (`nominal_items`); `finish`
-    learns the window's true item count T from all processes at once (one all-reduce, one host
-    sync per update) and rescales by c·N·P/T (`window_gradient_scale`) before clipping.
-    """
-
-    def __init__(self, device, max_grad_norm: float | None = None):
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, items, samples, tokens
-        self.micro_losses: list[torch.Tensor] = []  # to name the micro-batch if the loss turns non-finite
-        self.max_grad_norm = max_grad_norm  # clipped to at finish(); None or 0: not clipped
-
-    @property
-    def is_empty(self) -> bool:
-        """True before the window's first micro-batch: where a schedule may change its size."""
-        return not self.micro_losses
-
-    def add(self, *, loss_sum: torch.Tensor, items, samples, tokens=0) -> None:
-        """Add one micro-batch: its summed loss, the items it is a sum over (samples or target tokens),
-        its samples and its tokens (ints or 0-d tensors; no host sync)."""
-        self.sums[0] += loss_sum.detach()
-        self.sums[1] += items
-        self.sums[2] += samples
-        self.sums[3] += tokens
-        self.micro_losses.append(loss_sum.detach())
-
-    def finish(self, accelerator, model, *, plan, nominal: float, state) -> WindowTotals:
-        """At the sync step, before `optimizer.step()`: stop on a non-finite loss (not in fp16, whose
-        overflow the grad scaler skips), rescale to the window mean, clip. Empties the window.
-        `nominal`: the constant each micro-batch's summed loss was divided by before backward (c in
-        c·N·P/T). `state` (a TrainingState) names the update and the last checkpoint in the error."""
-        loss_total, items, samples, tokens = accelerator.reduce(self.sums, reduction="sum").tolist()
-        if accelerator.mixed_precision != "fp16":
-            check_finite_window(
-                loss_total,
-                torch.stack(self.micro_losses).tolist(),
-                state.step + 1,
-                accelerator.process_index,
-                state.last_checkpoint,
-            )
-        scale_gradients_(model.parameters(), window_gradient_scale(items, nominal, plan.accumulation, plan.processes))
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm or float("inf"))
-        totals = WindowTotals(loss_total / items, items, samples, tokens, float(grad_norm), len(self.micro_losses))
-        self.sums.zero_()
-        self.micro_losses.clear()
-        return totals

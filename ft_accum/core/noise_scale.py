@@ -17,13 +17,10 @@ EMA and only then divided (as gpt-neox does). Units: samples for fixed-size task
 for the token-weighted LM loss.
 
 |g_b|² needs the gradient of each micro-batch *alone*, while `.grad` only holds their running
-sum. A hook on each parameter tensor sees the gradient of the current backward before it is
-added to `.grad`, so `register_micro_batch_hooks` sums its squares there: no gradient copy.
+sum: training/noise_meter.py hooks the parameters to read it (no gradient copy).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 
@@ -57,58 +54,6 @@ def noise_scale(state: dict[str, float]) -> float:
     correction = 1 - state["beta"] ** state["count"]
     g2, trace = state["g2"] / correction, state["trace"] / correction
     return trace / g2 if g2 > 0 else float("inf")
-
-
-def register_micro_batch_hooks(parameters: Iterable[torch.nn.Parameter]) -> tuple[list, torch.Tensor]:
-    """Hooks that add each backward's Σ grad² into a one-element tensor; returns (handles, that tensor).
-
-    Read and zero the tensor after each micro-batch's backward. The hooks see the gradient of the
-    loss that was backpropagated (scaled as it was), on this process, before DDP averages it.
-    """
-    parameters = [p for p in parameters if p.requires_grad]
-    if not parameters:
-        raise ConfigError("no trainable parameters to measure the noise scale on")
-    total = torch.zeros((), dtype=torch.float64, device=parameters[0].device)
-
-    def add(grad: torch.Tensor) -> None:
-        # vector_norm reduces in one pass without materialising grad², which `pow(2).sum()` would.
-        half = grad.dtype in (torch.float16, torch.bfloat16)  # accumulate those in fp32
-        total.add_(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32 if half else None).double().square())
-
-    return [p.register_hook(add) for p in parameters], total
-
-
-def start_noise_scale_measurement(
-    model: torch.nn.Module, gradient_accumulation_steps: int, num_processes: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hook the trainable parameters of `model`; returns (the hooks' per-backward Σ grad², the window's sums).
-
-    The window's sums are [Σ |g_b|², Σ 1/b, number of micro-batches] over its micro-batches
-    (`add_micro_batch`), read at the sync step by `window_noise_terms`. Refuses a run with one
-    micro-batch per update: it has no small batch to compare with.
-    """
-    if gradient_accumulation_steps * num_processes < 2:
-        raise ConfigError(
-            "--measure_noise_scale compares micro-batch and window gradients, so it needs "
-            "--gradient_accumulation_steps ≥ 2 (or several processes)"
-        )
-    _, micro_grad_sq = register_micro_batch_hooks(model.parameters())
-    return micro_grad_sq, torch.zeros(3, dtype=torch.float64, device=micro_grad_sq.device)
-
-
-def add_micro_batch(
-    window_sums: torch.Tensor, micro_grad_sq: torch.Tensor, backward_scale: float, size: float
-) -> None:
-    """Add one micro-batch of `size` items (samples or target tokens) to the window's sums; zero the hooks' total.
-
-    `backward_scale` is what the backward multiplied this micro-batch's *mean* gradient by
-    (its share of the window's normalisation, times the fp16 loss scale), so dividing it out
-    gives |g_b|² of the micro-batch alone.
-    """
-    window_sums[0] += micro_grad_sq / backward_scale**2
-    window_sums[1] += 1.0 / size
-    window_sums[2] += 1
-    micro_grad_sq.zero_()
 
 
 def window_noise_terms(window_sums: torch.Tensor, big_sq: float, window_size: float) -> tuple[float, float, float]:
@@ -149,60 +94,3 @@ def advise_effective_batch(measured_noise_scale: float, effective_batch_size: in
             "(less accumulation) should reach the same loss with fewer samples"
         )
     return f"effective batch {effective_batch_size:,} {unit} is near the measured noise scale {size}: a good size for this run"
-
-
-class NoiseScaleMeter:
-    """`--measure_noise_scale` in a recipe: two hooks and a line of advice at the end.
-
-    `after_backward` after each micro-batch's backward, `at_sync` once per update (it returns the
-    metrics.jsonl columns and keeps the EMA in the training state, so a resume carries it on).
-    `unit` is what the loss is a mean over: "samples", or a kind of token ("target tokens",
-    "labelled tokens") for token-weighted losses, whose counts the training state keeps in
-    `tokens_seen`; the noise scale is measured in that unit. Disabled, every hook is a no-op.
-    """
-
-    def __init__(self, enabled: bool, model: torch.nn.Module, plan, unit: str = "samples"):
-        self.enabled, self.unit = enabled, unit
-        if enabled:  # hooks see each micro-batch's own gradient before it is added to .grad
-            self.micro_grad_sq, self.sums = start_noise_scale_measurement(model, plan.accumulation, plan.processes)
-
-    def after_backward(self, accelerator, items, nominal_items: float, plan) -> None:
-        """The hooks saw ∇(summed loss)/(nominal·N)·loss scale = the micro-batch's mean gradient × items/(nominal·N)·scale."""
-        if self.enabled:
-            loss_scale = accelerator.scaler.get_scale() if accelerator.scaler else 1.0
-            add_micro_batch(
-                self.sums,
-                self.micro_grad_sq,
-                float(items) / (nominal_items * plan.accumulation) * loss_scale,
-                float(items),
-            )
-
-    def at_sync(self, accelerator, totals, state) -> dict[str, float]:
-        """Small batch: one micro-batch (per process); big batch: the whole window on all processes."""
-        if not self.enabled:
-            return {}
-        big_sq = totals.grad_norm**2
-        small, g2, trace = window_noise_terms(accelerator.reduce(self.sums, reduction="sum"), big_sq, totals.items)
-        self.sums.zero_()
-        state.noise_scale_ema = update_ema(state.noise_scale_ema, g2, trace)
-        # noise_scale_batch: this update's batch in the noise scale's unit
-        return {
-            "noise_scale": noise_scale(state.noise_scale_ema),
-            "grad_sq_small": small,
-            "grad_sq_big": big_sq,
-            "noise_scale_batch": totals.items,
-        }
-
-    def in_samples(self, state) -> float | None:
-        """The measured noise scale in samples (what an accumulation schedule counts), or None before the first."""
-        if not state.noise_scale_ema:
-            return None
-        measured = noise_scale(state.noise_scale_ema)
-        return measured if self.unit == "samples" else measured * state.samples_seen / state.tokens_seen
-
-    def advice(self, state) -> str | None:
-        """The end-of-run line of `advise_effective_batch`, at the run's mean batch in the meter's unit."""
-        if not (self.enabled and state.noise_scale_ema):
-            return None
-        batch = state.effective_batch_size if self.unit == "samples" else round(state.tokens_seen / state.step)
-        return advise_effective_batch(noise_scale(state.noise_scale_ema), batch, self.unit)

@@ -63,6 +63,18 @@ class PairTerms:
         return torch.stack([self.chosen_rewards.sum(), self.rejected_rewards.sum(), self.correct, pairs]).double()
 
 
+def reward_means(sums: list[float]) -> dict[str, float]:
+    """metrics.jsonl's reward columns from a window's `reward_sums` over all its micro-batches and processes:
+    each a mean over the window's pairs, and the margin Σ(r_chosen − r_rejected) / pairs."""
+    chosen, rejected, correct, pairs = sums
+    return {
+        "rewards_chosen": chosen / pairs,
+        "rewards_rejected": rejected / pairs,
+        "reward_accuracy": correct / pairs,
+        "reward_margin": (chosen - rejected) / pairs,
+    }
+
+
 def pair_terms(
     loss: str,
     policy_chosen: torch.Tensor,

@@ -194,8 +194,9 @@ class TrainingArguments:
             raise ConfigError(f"--report_to must be one of {', '.join(trackers)}, got {self.report_to!r}")
         if self.lr_scaling not in POLICIES:
             raise ConfigError(f"--lr_scaling must be one of {', '.join(POLICIES)}, got {self.lr_scaling!r}")
-        schedule = parse_accumulation_schedule(self.accumulation_schedule)
-        self.measure_noise_scale |= bool(schedule and schedule.unit == "adaptive")
+        # Parsed here once (not a field: the parsed form is derived); run_setup hands it to the scheduler.
+        self.parsed_schedule = parse_accumulation_schedule(self.accumulation_schedule)
+        self.measure_noise_scale |= bool(self.parsed_schedule and self.parsed_schedule.unit == "adaptive")
         check_field_values(self)  # after the specific checks, whose messages say more
 
     def batch_plan(self, num_processes: int) -> BatchPlan:

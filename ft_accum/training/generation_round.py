@@ -18,7 +18,10 @@ A completion counts its tokens up to and including the first EOS; one that reach
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate.utils import gather_object
@@ -26,6 +29,7 @@ from accelerate.utils import gather_object
 from ft_accum.core.errors import ConfigError
 from ft_accum.models.output_loss import token_log_probs
 from ft_accum.training import every_rank
+from ft_accum.training.windows import Window
 
 
 @dataclass
@@ -190,8 +194,10 @@ def round_layout(
     if num_prompts < prompts:
         raise ConfigError(f"{num_prompts} training prompts are fewer than one round's {prompts}")
     share = plan.micro * plan.accumulation
-    own = [[(u * plan.effective + process_index * share) // plan.micro + m for m in range(plan.accumulation)]
-           for u in range(updates)]  # fmt: skip
+    own = [
+        [(u * plan.effective + process_index * share) // plan.micro + m for m in range(plan.accumulation)]
+        for u in range(updates)
+    ]
     return RoundLayout(completions, prompts, updates, num_iterations, num_prompts // prompts, plan.micro, own)
 
 
@@ -223,11 +229,13 @@ def completion_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor
     return token_log_probs(logits, batch["completion_ids"])
 
 
-def update_metrics(accelerator, rewards, scores, rows: slice, completions, logs, functions) -> dict:
-    """metrics.jsonl's GRPO columns for the update that trained on the round's completions `rows`:
-    their rewards (weighted, and each function's), lengths and truncation, and the token means of
-    clipping, entropy and KL, `logs` = [clipped, entropy, KL, counted tokens] summed on this process,
-    over all processes."""
+def update_metrics(accelerator, window, logs, functions) -> dict:
+    """metrics.jsonl's GRPO columns for the update `window` (of `RoundWindows`), which trained on its
+    round's completions `window.rows`: their rewards (weighted, and each function's), lengths and
+    truncation, and the token means of clipping, entropy and KL, `logs` = [clipped, entropy, KL,
+    counted tokens] summed on this process, over all processes."""
+    rewards, scores, rows = window.round.rewards, window.round.per_function, window.rows
+    completions = window.round.completions
     clipped, entropy, kl, tokens = accelerator.reduce(logs, reduction="sum").tolist()
     update, mine = rewards[rows], completions[rows]
     lengths = [len(c.completion_ids) for c in mine]
@@ -244,3 +252,72 @@ def update_metrics(accelerator, rewards, scores, rows: slice, completions, logs,
     for (name, _), function_scores in zip(functions, scores):
         columns[f"reward/{name.split(':')[-1]}"] = sum(function_scores[rows]) / len(function_scores[rows])
     return columns
+
+
+@dataclass
+class SampledRound:
+    """What the recipe's sampling returns for a round: its completions, their weighted rewards and each
+    function's, and this process's micro-batches ({k: batch}, `RoundLayout.own`)."""
+
+    completions: list[Completion]
+    rewards: torch.Tensor
+    per_function: list
+    batches: dict[int, dict]
+
+
+class RoundWindows:
+    """The run's remaining GRPO updates as windows (training/windows.py), round after round.
+
+    Each round samples its prompts (in an order fixed by the seed and epoch) through the recipe's
+    `sample(indices, round_index) -> SampledRound`; then each of its `layout.passes` updates is one
+    Window of this process's micro-batches, counted (`count_items`) on all processes before its
+    first forward. `window.round` is the sampled round, `window.rows` the slice of its completions
+    the update trains on (for the metrics). A resume re-enters at the round of its last update.
+    """
+
+    def __init__(
+        self,
+        accelerator,
+        state,
+        plan,
+        layout: RoundLayout,
+        *,
+        scheduler,
+        num_prompts: int,
+        seed: int,
+        sample: Callable[..., SampledRound],
+        count_items: Callable[[Any], Any],
+    ):
+        self.accelerator, self.state, self.plan, self.layout = accelerator, state, plan, layout
+        self.scheduler, self.num_prompts, self.seed = scheduler, num_prompts, seed
+        self.sample, self.count_items = sample, count_items
+        self.noise = None
+
+    def __iter__(self) -> Iterator[Window]:
+        state, layout, plan = self.state, self.layout, self.plan
+        per_round = layout.passes * layout.micro * plan.accumulation  # this process's samples a round
+        batches_per_epoch = layout.rounds_per_epoch * layout.passes * plan.accumulation
+        while state.epoch < self.scheduler.num_epochs and state.scheduler_steps < self.scheduler.num_update_steps:
+            order = random.Random(self.seed * 1000 + state.epoch).sample(range(self.num_prompts), self.num_prompts)
+            for round_index in range(state.epoch_samples // per_round, layout.rounds_per_epoch):
+                indices = order[round_index * layout.prompts : (round_index + 1) * layout.prompts]
+                sampled = self.sample(indices, round_index=state.epoch * layout.rounds_per_epoch + round_index)
+                for update in range(layout.passes):
+                    u = update % layout.updates  # the update trains on completions [u·E, (u+1)·E)
+                    window = Window(
+                        self.accelerator,
+                        [sampled.batches[k] for k in layout.own[u]],
+                        count_items=self.count_items,
+                        plan=plan,
+                        update=state.step,
+                        last_checkpoint=state.last_checkpoint,
+                    )
+                    window.round, window.rows = sampled, slice(u * plan.effective, (u + 1) * plan.effective)
+                    window.epoch_samples = state.epoch_samples + plan.micro * len(layout.own[u])
+                    window.epoch_progress = state.epoch + window.epoch_samples / (plan.micro * batches_per_epoch)
+                    last_of_epoch = round_index == layout.rounds_per_epoch - 1 and update == layout.passes - 1
+                    window.ends_epoch = last_of_epoch or state.scheduler_steps + 1 >= self.scheduler.num_update_steps
+                    yield window
+                    if state.scheduler_steps >= self.scheduler.num_update_steps:
+                        return
+            state.next_epoch()

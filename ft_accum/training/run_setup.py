@@ -25,9 +25,9 @@ def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str 
     """The run's Accelerator, after the checks that refuse launches it would silently run wrong
     (`check_accelerator`) and the guard on --output_dir; trackers started when --report_to has one.
 
-    The accumulation steps are set afterwards by `apply_batch_plan`: they follow from the process
-    count, which only the Accelerator knows for sure (a bare PartialState() ignores
-    ACCELERATE_USE_CPU and would report one process under DDP on CPU).
+    The batch plan follows from the process count, which only the Accelerator knows for sure (a bare
+    PartialState() ignores ACCELERATE_USE_CPU and would report one process under DDP on CPU); each
+    window then tells Accelerate its micro-batch count (training/windows.py).
     """
     report_to = resolve_report_to(args.report_to)
     accelerator = Accelerator(
@@ -35,7 +35,11 @@ def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str 
         project_dir=args.output_dir,
         # A seeded sampler makes the sample order depend on the seed and epoch only, not on the split.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1, sync_each_batch=args.sync_each_batch),
+        # Each window sets its own micro-batch count (training/windows.py: start_window); it is fetched before it
+        # runs, so the loader's end, which Accelerate would otherwise sync at, comes early.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=1, sync_each_batch=args.sync_each_batch, sync_with_dataloader=False
+        ),
         kwargs_handlers=[collective_timeout.process_group_kwargs(args.ddp_timeout)],
     )
     collective_timeout.start_run(args.ddp_timeout, accelerator.process_index, accelerator.num_processes)
@@ -174,18 +178,39 @@ def reset_accelerate_state(keep_process_group: bool = False) -> None:
 
 
 def accumulation_scheduler(args, plan, batches_per_epoch: int):
-    """The run's AccumulationScheduler from the shared arguments (see core/accumulation_schedule)."""
-    from ft_accum.core.accumulation_schedule import AccumulationScheduler
+    """The run's AccumulationScheduler from the shared arguments (see training/accumulation_scheduler)."""
+    from ft_accum.training.accumulation_scheduler import AccumulationScheduler
 
     return AccumulationScheduler(
         plan,
         batches_per_epoch,
-        accumulation_schedule=args.accumulation_schedule,
+        schedule=args.parsed_schedule,
         num_train_epochs=args.num_train_epochs,
         max_train_steps=args.max_train_steps,
         lr_scheduler_type=args.lr_scheduler_type,
         num_warmup_steps=args.num_warmup_steps,
         scaled_learning_rate=args.scaled_learning_rate,
+    )
+
+
+def train_windows(accelerator, args, train_dataloader, state, *, scheduler, count_items, unit="samples"):
+    """The run's TrainWindows (training/windows.py) over `train_dataloader` from `state`, planned by
+    `scheduler` (after its `lr_scheduler(...)`), with the shared arguments' --auto_micro_batch and
+    --measure_noise_scale (a NoiseScaleMeter in `unit`, what `count_items` counts)."""
+    from ft_accum.training.noise_meter import NoiseScaleMeter
+    from ft_accum.training.windows import TrainWindows
+
+    plan = args.batch_plan(accelerator.num_processes)
+    parameters = [p for group in scheduler.optimizer.param_groups for p in group["params"]]
+    return TrainWindows(
+        accelerator,
+        train_dataloader,
+        state,
+        plan,
+        count_items=count_items,
+        scheduler=scheduler,
+        noise=NoiseScaleMeter(parameters, plan, unit) if args.measure_noise_scale else None,
+        auto_micro_batch=args.auto_micro_batch,
     )
 
 

@@ -14,12 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
-from accelerate.utils import find_batch_size
-
 from ft_accum.core.batch_arithmetic import BatchPlan
 from ft_accum.core.errors import register_progress_bar
-from ft_accum.core.loss_normalization import WindowTotals, check_skipped_updates
+from ft_accum.core.loss_normalization import check_skipped_updates
 from ft_accum.training import checkpointing, collective_timeout
 from ft_accum.training.model_card import is_exportable_causal_lm, write_model_card
 from ft_accum.training.run_outputs import log_update, save_final, truncate_metrics, write_results
@@ -37,55 +34,43 @@ class TrainingState:
     last_change: int = 0  # the update at which the effective batch last changed
     samples_seen: int = 0
     tokens_seen: int = 0
+    items_seen: float = 0  # what the loss is a mean over (samples, target tokens, ...), summed over the updates
     train_seconds: float = 0.0
     skipped_updates: int = 0  # fp16 overflow
     consecutive_skipped: int = 0
     noise_scale_ema: Optional[dict] = None
     last_checkpoint: Optional[str] = None
 
-    def complete_update(
-        self,
-        totals: WindowTotals,
-        plan: BatchPlan,
-        skipped: bool,
-        scheduler_steps: int,
-        max_consecutive_skipped_updates: int,
-    ) -> None:
-        """Count one optimizer update; stop the run when fp16 has skipped too many in a row."""
+    def complete_update(self, window, skipped: bool, max_consecutive_skipped_updates: int) -> None:
+        """Count one optimizer update (a `training.windows.Window`); stop the run when fp16 has skipped
+        too many in a row."""
         self.step += 1
-        self.scheduler_steps += scheduler_steps
-        self.epoch_samples += plan.micro * totals.micro_batches
-        self.samples_seen += int(totals.samples)
-        self.tokens_seen += int(totals.tokens)
+        self.scheduler_steps += window.lr_steps
+        self.epoch_samples = window.epoch_samples
+        self.samples_seen += int(window.num_samples)
+        self.tokens_seen += int(window.num_tokens)
+        self.items_seen += window.num_items
         self.skipped_updates += skipped
         self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
         check_skipped_updates(
             self.consecutive_skipped, max_consecutive_skipped_updates, self.step, self.last_checkpoint
         )
 
-    def record(
-        self,
-        totals: WindowTotals,
-        plan: BatchPlan,
-        learning_rate: float,
-        seconds: float,
-        batches_per_epoch: int,
-        **extra: Any,
-    ) -> dict[str, Any]:
+    def record(self, window, grad_norm: float, learning_rate: float, seconds: float, **extra: Any) -> dict[str, Any]:
         """The metrics.jsonl line of the update just completed."""
         return {
             "step": self.step,
-            "epoch": self.epoch + self.epoch_samples / (plan.micro * batches_per_epoch),
-            "loss": totals.loss,
+            "epoch": window.epoch_progress,
+            "loss": window.mean_loss,
             "lr": learning_rate,
-            "grad_norm": totals.grad_norm,
+            "grad_norm": grad_norm,
             "samples_seen": self.samples_seen,
             "tokens_seen": self.tokens_seen,
-            "samples_per_second": totals.samples / seconds,
-            "tokens_per_second": totals.tokens / seconds,
+            "samples_per_second": window.num_samples / seconds,
+            "tokens_per_second": window.num_tokens / seconds,
             "skipped_updates": self.skipped_updates,
-            "per_device_train_batch_size": plan.micro,
-            "gradient_accumulation_steps": plan.accumulation,
+            "per_device_train_batch_size": window.plan.micro,
+            "gradient_accumulation_steps": window.plan.accumulation,
             "effective_batch_size": self.effective_batch_size,
             **extra,
         }
@@ -137,81 +122,6 @@ def start_or_resume(
     if accelerator.is_main_process:
         truncate_metrics(Path(output_dir), state.step)
     return state, signature
-
-
-def real_rows(dataset_rows: int, batch_index: int, num_processes: int, process_index: int, micro: int) -> int:
-    """How many leading rows of this process's micro-batch `batch_index` (0-based in the epoch) are
-    real rows of the dataset, not Accelerate's repeats: clamp(n − (k·P + r)·b, 0, b).
-
-    Accelerate's sharded sampler (`BatchSamplerShard` with `even_batches=True`, its default) deals
-    the epoch's batches of b rows round-robin: batch k of process r is batch k·P + r of one stream,
-    and it completes the last short batch, and any missing round, with rows from the epoch's
-    start, so that every process runs as many micro-batches (DDP needs every process in each
-    all-reduce). Those repeats sit at the end of the stream, at positions ≥ n.
-    """
-    return max(0, min(micro, dataset_rows - (batch_index * num_processes + process_index) * micro))
-
-
-def take_rows(batch: dict, count: int) -> dict:
-    """The first `count` rows of every tensor in `batch` that has one row per sample (all of them if it has fewer)."""
-    rows = find_batch_size(batch)
-    if count >= rows:
-        return batch
-    return {
-        k: v[:count] if isinstance(v, torch.Tensor) and v.dim() and len(v) == rows else v for k, v in batch.items()
-    }
-
-
-def remaining_batches(accelerator, train_dataloader, state: TrainingState, plan: BatchPlan):
-    """This epoch's micro-batches from where the run stands, as (batch, is_padding) pairs.
-
-    Checkpoints are taken at sync steps, so the epoch has consumed whole windows; the seeded
-    sampler gives the same order whatever the split (see data_sources.seeded_dataloaders).
-
-    When the rows do not divide evenly over the processes, Accelerate repeats rows to even out
-    the last batches (see `real_rows`). Those repeats are cut from a micro-batch that holds real
-    rows; a micro-batch that holds none is yielded whole with `is_padding=True`, for the recipe to
-    run (every process must join the gradient all-reduce) and count as nothing. So the window
-    sums only real rows and tokens on every process, and equals the single-process window.
-    """
-    train_dataloader.set_epoch(state.epoch)
-    seen = state.epoch_samples // plan.micro
-    batches = accelerator.skip_first_batches(train_dataloader, seen) if seen else train_dataloader
-    dataset_rows = len(train_dataloader.dataset)
-    for index, batch in enumerate(batches, start=seen):
-        real = real_rows(dataset_rows, index, accelerator.num_processes, accelerator.process_index, plan.micro)
-        yield (batch, True) if real == 0 else (take_rows(batch, real), False)
-
-
-def remaining_batches_with_window_totals(accelerator, train_dataloader, state: TrainingState, plan: BatchPlan, count):
-    """`remaining_batches`, each as (batch, is_padding, window_totals): `window_totals` is the sum of
-    `count(batch)` (a 1-D tensor) over the window's real micro-batches on all processes, known
-    before the window's first forward.
-
-    For a loss with two normalisers (ORPO: a mean over pairs plus a mean over chosen tokens), one
-    rescale at the sync step cannot be exact; each micro-batch must weigh its terms by the window's
-    totals. So the window's micro-batches are fetched first (token ids only, in host memory) and
-    their counts all-reduced once. Accelerate's prepared loader marks its last batch when it is
-    fetched (`end_of_dataloader`, which `accumulate()` reads to sync a short last window), so that
-    public flag is replayed as it was at each fetch. The window is `plan.accumulation` micro-batches
-    (the last one shorter): an accumulation schedule, which sizes a window at its start, does not mix.
-    """
-    stream = remaining_batches(accelerator, train_dataloader, state, plan)
-    left = len(train_dataloader) - state.epoch_samples // plan.micro
-    while left > 0:
-        window = []
-        for _ in range(min(plan.accumulation, left)):  # never past the last batch: that would end the loader
-            batch, is_padding = next(stream)
-            window.append((batch, is_padding, accelerator.gradient_state.end_of_dataloader))
-        left -= len(window)
-        totals = sum(count(batch) * (not is_padding) for batch, is_padding, _ in window)
-        totals = accelerator.reduce(totals.to(accelerator.device, torch.float64), reduction="sum")
-        loader = accelerator.gradient_state.active_dataloader
-        for batch, is_padding, at_end in window:
-            loader.end_of_dataloader = at_end
-            yield batch, is_padding, totals
-    for _ in stream:  # exhaust it, so that the loader ends its epoch
-        raise RuntimeError("remaining_batches_with_window_totals: more batches than the loader's length")
 
 
 class TrainClock:
@@ -296,6 +206,7 @@ class RunTracker:
 
         self.accelerator, self.settings, self.state, self.signature = accelerator, settings, state, signature
         self.stop = stop
+        self.noise = None  # the NoiseScaleMeter of the windows, once an update has been measured
         self.num_update_steps = num_update_steps
         self.clock = TrainClock(state.train_seconds)
         position = collective_timeout.POSITION  # what a stuck collective's error line reports
@@ -312,30 +223,23 @@ class RunTracker:
         )
         register_progress_bar(self.progress)
 
-    def end_update(
-        self,
-        totals: WindowTotals,
-        plan: BatchPlan,
-        lr_scheduler,
-        *,
-        batches_per_epoch: int,
-        lr_steps: int = 1,
-        **columns: Any,
-    ) -> bool:
-        """Count the update, log its record (`columns` are extra metrics.jsonl columns), checkpoint when due
-        or when a signal asks to stop (which then ends the process). True after the last update.
-
-        `batches_per_epoch` (this epoch's micro-batches per process) gives the record's fractional epoch;
-        `lr_steps` is how many LR-scheduler steps the update took (more than 1 when an adaptive
-        accumulation schedule catches the LR up, `AccumulationScheduler.catch_up_lr`)."""
+    def end_update(self, window, *, grad_norm, learning_rate: float, **columns: Any) -> bool:
+        """After `optimizer.step()`: count the update (a `training.windows.Window`), log its record
+        (`grad_norm` before clipping, the `learning_rate` it leaves; `columns` are extra metrics.jsonl
+        columns, the noise scale's added when it is measured), checkpoint when due or when a signal asks
+        to stop (which then ends the process). True after the run's last update."""
         state, settings = self.state, self.settings
+        grad_norm = float(grad_norm)
         skipped = self.accelerator.optimizer_step_was_skipped
-        state.complete_update(totals, plan, skipped, lr_steps, settings.max_consecutive_skipped_updates)
+        state.complete_update(window, skipped, settings.max_consecutive_skipped_updates)
+        if window.noise is not None:
+            self.noise = window.noise
+            columns |= window.noise.at_sync(
+                self.accelerator, grad_norm=grad_norm, window_items=window.num_items, state=state
+            )
         collective_timeout.POSITION.updates_done = state.step
-        record = state.record(
-            totals, plan, float(lr_scheduler.get_last_lr()[0]), self.clock.lap(), batches_per_epoch, **columns
-        )
-        log_update(self.accelerator, settings.output_dir, record, self.progress, lr_steps)
+        record = state.record(window, grad_norm, float(learning_rate), self.clock.lap(), **columns)
+        log_update(self.accelerator, settings.output_dir, record, self.progress, window.lr_steps)
         stopping = self.stop is not None and self.stop.requested(self.accelerator)
         if stopping or (settings.checkpointing_steps and state.step % settings.checkpointing_steps == 0):
             with self.clock.paused(), collective_timeout.phase("save"):
@@ -361,6 +265,8 @@ class RunTracker:
     def finish(self, model, tokenizer, plan: BatchPlan, after_save=None, **metrics: Any) -> dict[str, Any]:
         """Save final/ (and whatever `after_save()` saves, returning extra results), write all_results.json."""
         self.progress.close()
+        if self.noise is not None and (advice := self.noise.advice(self.state)):
+            self.accelerator.print(advice)
         if self.stop is not None:
             self.stop.restore()
         train_seconds = self.clock.total()

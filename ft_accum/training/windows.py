@@ -1,0 +1,361 @@
+"""Accumulation windows, counted before they are computed.
+
+A recipe's loop takes one optimizer update at a time:
+
+    for window in train_windows:
+        for batch in window:
+            with accelerator.accumulate(model):
+                loss_sum = training_step(model, batch)
+                accelerator.backward(loss_sum * window.scale)
+                ...
+
+`TrainWindows` fetches each window's micro-batches first (they are on the device already, or
+soon will be), counts what the loss is a mean over (samples, target tokens, pairs, completions:
+the recipe's `count_items`) in every micro-batch, and sums the count over the micro-batches and
+all processes with one all-reduce: T, known before the first forward, like the Transformers
+Trainer's `num_items_in_batch`. Then `window.scale` (`core.loss_normalization.window_loss_scale`)
+makes the accumulated gradient exactly the gradient of Σ losses / T, the short last window of an
+epoch and uneven process shares included; nothing is rescaled afterwards.
+
+Everything that decides a window's shape lives here, not in the loop: where a resume re-enters
+the epoch, the accumulation schedule (`AccumulationScheduler`), the short last window, the rows
+Accelerate repeats so every process steps together (they run, for DDP's all-reduce, and count as
+nothing: their micro-batch's scale is 0), the gradient-noise measurement (`NoiseScaleMeter`, whose
+hooks need no call in the loop), and the out-of-memory retry (`--auto_micro_batch`), which splits
+the window in hand into smaller micro-batches and runs it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from accelerate.utils import DistributedType, find_batch_size
+
+from ft_accum.core.batch_arithmetic import BatchPlan
+from ft_accum.core.errors import ConfigError
+from ft_accum.core.loss_normalization import check_finite_window, window_loss_scale
+from ft_accum.training.memory import free_memory, is_out_of_memory
+
+
+def start_window(accelerator, micro_batches: int) -> None:
+    """Make Accelerate sync after exactly `micro_batches` more micro-batches (and divide by that number).
+
+    Accelerate syncs when its micro-batch counter is a multiple of `gradient_accumulation_steps`
+    (accelerate/accelerator.py, `_do_sync`; the recipes' Accelerator is built with
+    `sync_with_dataloader=False`, so a window fetched ahead does not sync at the loader's end).
+    Accelerate has no public way to restart the counter: `accelerator.step` is written here and
+    nowhere else, and tests/test_windows.py checks on a real Accelerator that the next window syncs
+    after exactly `micro_batches` micro-batches (it fails if an upgrade renames the counter).
+    """
+    accelerator.gradient_accumulation_steps = micro_batches
+    accelerator.step = 0
+
+
+def backward_divisor(accelerator, micro_batches: int) -> int:
+    """N, what `accelerator.backward` divides each loss by: the window's micro-batches (`start_window`), or
+    under DeepSpeed its engine's configured accumulation steps (DeepSpeed divides in its own backward)."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return accelerator.deepspeed_engine_wrapped.engine.gradient_accumulation_steps()
+    return micro_batches
+
+
+def real_rows(dataset_rows: int, batch_index: int, num_processes: int, process_index: int, micro: int) -> int:
+    """How many leading rows of this process's micro-batch `batch_index` (0-based in the epoch) are
+    real rows of the dataset, not Accelerate's repeats: clamp(n − (k·P + r)·b, 0, b).
+
+    Accelerate's sharded sampler (`BatchSamplerShard` with `even_batches=True`, its default) deals
+    the epoch's batches of b rows round-robin: batch k of process r is batch k·P + r of one stream,
+    and it completes the last short batch, and any missing round, with rows from the epoch's
+    start, so that every process runs as many micro-batches (DDP needs every process in each
+    all-reduce). Those repeats sit at the end of the stream, at positions ≥ n.
+    """
+    return max(0, min(micro, dataset_rows - (batch_index * num_processes + process_index) * micro))
+
+
+def take_rows(batch: dict, rows: int | slice) -> dict:
+    """The first `rows` rows (or the slice `rows`) of every tensor in `batch` that has one row per sample."""
+    size = find_batch_size(batch)
+    if isinstance(rows, int):
+        if rows >= size:
+            return batch
+        rows = slice(0, rows)
+    return {k: v[rows] if isinstance(v, torch.Tensor) and v.dim() and len(v) == size else v for k, v in batch.items()}
+
+
+def split_rows(batch: dict, micro: int) -> list[dict]:
+    """`batch` cut into micro-batches of at most `micro` rows, in order (the out-of-memory retry)."""
+    rows = find_batch_size(batch)
+    return [take_rows(batch, slice(start, start + micro)) for start in range(0, rows, micro)]
+
+
+def count_tokens(batch) -> torch.Tensor | int:
+    """The micro-batch's non-padding tokens, for the throughput columns: the ones of every attention mask
+    it holds (a preference pair's chosen and rejected masks both count); 0 without one."""
+    if not isinstance(batch, Mapping):
+        return 0
+    return sum((v.sum() for k, v in batch.items() if k.endswith("attention_mask")), start=0)
+
+
+class Window:
+    """One optimizer update: this process's micro-batches, and what they count on all processes.
+
+    Iterate over it for the micro-batches (each one makes Accelerate's window: `start_window`);
+    `scale` is the current micro-batch's factor for `accelerator.backward(loss_sum * window.scale)`.
+    `add_loss` keeps each summed loss for the log and for `check_finite_loss`, the guard at the
+    sync step. `ends_epoch` is true for the last window of an epoch, or of the run.
+    """
+
+    def __init__(
+        self,
+        accelerator,
+        micro_batches: list,
+        *,
+        count_items: Callable[[Any], Any],
+        plan: BatchPlan,
+        real: list[bool] | None = None,
+        update: int = 0,
+        last_checkpoint: str | None = None,
+        ends_epoch: bool = False,
+    ):
+        self.accelerator, self.plan, self.update, self.last_checkpoint = accelerator, plan, update, last_checkpoint
+        self.ends_epoch = ends_epoch
+        self.epoch_samples = 0  # this process's samples of the epoch consumed once this window is done (TrainWindows)
+        self.epoch_progress = 0.0  # the epoch, with its fraction, once this window is done
+        self.lr_steps = 1  # LR-scheduler steps this update stands for (an adaptive schedule: more)
+        self.noise = None  # a NoiseScaleMeter, when --measure_noise_scale
+        self.on_out_of_memory = None  # the retry of --auto_micro_batch, when on: returns the smaller plan
+        self._set_micro_batches(micro_batches, real or [True] * len(micro_batches), count_items)
+
+    def _set_micro_batches(self, micro_batches: list, real: list[bool], count_items) -> None:
+        """Count every micro-batch; one all-reduce and one host read for the whole window."""
+        self.micro_batches, self.real, self.count_items = micro_batches, real, count_items
+        counts = torch.stack(
+            [self._counts(batch, count_items) * is_real for batch, is_real in zip(micro_batches, real)]
+        )
+        totals = self.accelerator.reduce(counts.sum(0).to(self.accelerator.device), reduction="sum")
+        values = torch.cat([totals, counts[:, 0].to(totals.device)]).tolist()
+        self.counts, self.micro_items = values[: len(totals)], values[len(totals) :]
+        if self.num_items <= 0:
+            raise ConfigError(
+                f"update {self.update + 1} has nothing to learn from: its micro-batches count 0 items on every process "
+                "(every label masked, or empty rows); check the data's label/response columns"
+            )
+        self.losses: list[torch.Tensor] = []
+        self._mean_loss = None
+        self._index = 0
+
+    def _counts(self, batch, count_items) -> torch.Tensor:
+        """[items..., samples, tokens] of one micro-batch, float64 on the device."""
+        items = torch.as_tensor(count_items(batch), dtype=torch.float64, device=self.accelerator.device).reshape(-1)
+        rows = float(find_batch_size(batch) or 0)
+        tokens = torch.as_tensor(count_tokens(batch), dtype=torch.float64, device=items.device).reshape(1)
+        return torch.cat([items, items.new_tensor([rows]), tokens])
+
+    @property
+    def num_items(self) -> float:
+        """T: what the loss is a mean over, in the whole window on all processes."""
+        return self.counts[0]
+
+    @property
+    def extra_counts(self) -> list[float]:
+        """The window's totals of the further counts `count_items` returned after the first (ORPO: chosen tokens)."""
+        return self.counts[1:-2]
+
+    @property
+    def num_samples(self) -> float:
+        return self.counts[-2]
+
+    @property
+    def num_tokens(self) -> float:
+        return self.counts[-1]
+
+    @property
+    def is_repeat(self) -> bool:
+        """The current micro-batch holds only rows Accelerate repeated (it runs for DDP, and counts as nothing)."""
+        return not self.real[self._index]
+
+    @property
+    def scale(self) -> float:
+        """N·P/T for a micro-batch of real rows, 0 for one of Accelerate's repeats (see window_loss_scale)."""
+        if not self.real[self._index]:
+            return 0.0
+        divisor = backward_divisor(self.accelerator, len(self.micro_batches))
+        return window_loss_scale(self.num_items, divisor, self.accelerator.num_processes)
+
+    def __iter__(self) -> Iterator:
+        index = 0
+        while index < len(self.micro_batches):
+            if index == 0:
+                start_window(self.accelerator, len(self.micro_batches))
+                self.losses.clear()
+                if self.noise is not None:
+                    self.noise.start_window()
+            self._index, self._restart = index, False
+            yield self.micro_batches[index]
+            if self._restart:  # out of memory: the same window again, in smaller micro-batches
+                index = 0
+                continue
+            if self.noise is not None and self.real[index]:
+                # The hooks saw ∇(loss_sum · scale / N): the micro-batch's mean gradient times items · scale / N.
+                divisor = backward_divisor(self.accelerator, len(self.micro_batches))
+                items = self.micro_items[index]
+                self.noise.after_micro_batch(self.accelerator, backward_scale=items * self.scale / divisor, size=items)
+            index += 1
+
+    def add_loss(self, loss_sum: torch.Tensor) -> None:
+        """Keep the micro-batch's summed loss (detached; a repeat's as 0) for the log and `check_finite_loss`."""
+        self.losses.append(
+            loss_sum.detach().float() if self.real[self._index] else loss_sum.new_zeros((), dtype=torch.float32)
+        )
+
+    @property
+    def mean_loss(self) -> float:
+        """Σ summed losses / T over the window on all processes (one all-reduce, read once)."""
+        if self._mean_loss is None:
+            total = (
+                torch.stack(self.losses).double().sum()
+                if self.losses
+                else torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
+            )
+            self._mean_loss = self.accelerator.reduce(total, reduction="sum").item() / self.num_items
+        return self._mean_loss
+
+    def check_finite_loss(self) -> None:
+        """At the sync step, before `optimizer.step()`: stop in one line if the window's loss is NaN or
+        infinite, naming the micro-batch, so the weights never take the update (not in fp16, whose
+        overflows the grad scaler skips and counts)."""
+        if self.accelerator.mixed_precision == "fp16":
+            return
+        check_finite_window(
+            self.mean_loss,
+            torch.stack(self.losses).tolist() if self.losses else [],
+            self.update + 1,
+            self.accelerator.process_index,
+            self.last_checkpoint,
+        )
+
+    @contextlib.contextmanager
+    def retry_on_out_of_memory(self):
+        """With --auto_micro_batch, an out-of-memory error in this block drops the window's partial
+        gradients, splits its micro-batches into smaller ones (`BatchPlan.shrunk`: the same effective
+        batch, so the same LR) and runs the window again from its first; off, it is a bare block."""
+        if self.on_out_of_memory is None:
+            yield
+            return
+        try:
+            yield
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one; so is a CPU allocator refusal
+            if not is_out_of_memory(exc):
+                raise
+            self.plan = self.on_out_of_memory(exc)
+            pieces = [
+                (piece, is_real)
+                for batch, is_real in zip(self.micro_batches, self.real)
+                for piece in split_rows(batch, self.plan.micro)
+            ]
+            self._set_micro_batches([p for p, _ in pieces], [r for _, r in pieces], self.count_items)
+            self._restart = True
+
+
+class TrainWindows:
+    """The run's remaining windows, epoch after epoch, up to its last update (see the module docstring).
+
+    `count_items(batch)` returns what the recipe's loss is a mean over in one micro-batch (a number
+    or 0-d tensor; or a 1-D tensor whose first entry is that, the rest further totals the loss
+    needs, `Window.extra_counts`). `scheduler` is the run's `AccumulationScheduler`, after its
+    `lr_scheduler(accelerator, optimizer)`; `noise` a `NoiseScaleMeter` or None.
+    """
+
+    def __init__(
+        self,
+        accelerator,
+        train_dataloader,
+        state,
+        plan: BatchPlan,
+        *,
+        count_items: Callable[[Any], Any],
+        scheduler,
+        noise=None,
+        auto_micro_batch: bool = False,
+    ):
+        self.accelerator, self.train_dataloader, self.state, self.plan = accelerator, train_dataloader, state, plan
+        self.count_items, self.scheduler, self.noise = count_items, scheduler, noise
+        self.loader_micro = plan.micro  # rows per batch of the dataloader; the retry splits them, the loader stays
+        self.auto_micro_batch = auto_micro_batch
+        if auto_micro_batch and accelerator.num_processes > 1:
+            # An OOM on one rank alone would leave the others waiting in a collective.
+            raise ConfigError("--auto_micro_batch works on one process; drop it, or launch one process")
+
+    def __iter__(self) -> Iterator[Window]:
+        state = self.state
+        while state.epoch < self.scheduler.num_epochs and state.scheduler_steps < self.scheduler.num_update_steps:
+            yield from self._epoch()
+            if state.scheduler_steps >= self.scheduler.num_update_steps:
+                return
+            state.next_epoch()
+
+    def _epoch(self) -> Iterator[Window]:
+        accelerator, state, loader = self.accelerator, self.state, self.train_dataloader
+        loader.set_epoch(state.epoch)
+        seen = state.epoch_samples // self.loader_micro  # checkpoints are taken between windows
+        batches = accelerator.skip_first_batches(loader, seen) if seen else loader
+        stream = iter(enumerate(batches, start=seen))
+        left = len(loader) - seen
+        while left > 0 and state.scheduler_steps < self.scheduler.num_update_steps:
+            self.plan = self.scheduler.at_window_start(accelerator, self.plan, state, noise=self.noise)
+            size = min(self.plan.accumulation * self.plan.micro // self.loader_micro, left)
+            fetched = [self._real_part(index, batch) for index, batch in (next(stream) for _ in range(size))]
+            left -= size
+            window = self._window(fetched, ends_epoch=left == 0)
+            after = state.epoch_samples + size * self.loader_micro
+            window.epoch_samples = after
+            window.epoch_progress = state.epoch + after / (self.loader_micro * len(loader))
+            window.lr_steps = self.scheduler.lr_steps(window.num_samples)
+            window.ends_epoch |= state.scheduler_steps + window.lr_steps >= self.scheduler.num_update_steps
+            yield window
+        for _ in stream:  # run the loader to its end, so that Accelerate ends its epoch
+            pass
+
+    def _real_part(self, index: int, batch) -> tuple[Any, bool]:
+        """(the batch without Accelerate's repeated rows, whether any real row is left); an all-repeat batch whole."""
+        accelerator = self.accelerator
+        dataset_rows = len(self.train_dataloader.dataset)
+        real = real_rows(dataset_rows, index, accelerator.num_processes, accelerator.process_index, self.loader_micro)
+        return (batch, False) if real == 0 else (take_rows(batch, real), True)
+
+    def _window(self, fetched: list[tuple[Any, bool]], ends_epoch: bool) -> Window:
+        micro_batches, real = [], []
+        for batch, is_real in fetched:
+            pieces = split_rows(batch, self.plan.micro) if self.plan.micro < self.loader_micro else [batch]
+            micro_batches += pieces
+            real += [is_real] * len(pieces)
+        window = Window(
+            self.accelerator,
+            micro_batches,
+            count_items=self.count_items,
+            plan=self.plan,
+            real=real,
+            update=self.state.step,
+            last_checkpoint=self.state.last_checkpoint,
+            ends_epoch=ends_epoch,
+        )
+        window.noise = self.noise
+        if self.auto_micro_batch:
+            window.on_out_of_memory = self._shrink
+        return window
+
+    def _shrink(self, exc: BaseException) -> BatchPlan:
+        """After an out-of-memory error: drop the partial gradients, return what the failed step held, and
+        halve the micro-batch (its smallest prime factor) for this window and the rest of the run."""
+        self.scheduler.optimizer.zero_grad(set_to_none=True)
+        free_memory(self.accelerator.device)
+        smaller = self.plan.shrunk()
+        self.accelerator.print(
+            f"out of memory at micro-batch {self.plan.micro}: now {smaller.describe()}, the same effective batch; "
+            "retrying the update"
+        )
+        self.plan = smaller
+        return smaller
