@@ -122,15 +122,14 @@ def lm_errors(arch: str) -> dict[str, dict[str, float]]:
         for batch in micro_batches:
             (causal_lm_loss_sum(logits_of(model, batch), batch["labels"])[0] / count).backward()
 
-    def ours(model):  # recipes/causal_lm.py: loss sums, targets counted after the shift, one exact window scale
-        from ft_accum.core.loss_normalization import scale_gradients_, window_gradient_scale
+    def ours(model):  # recipes/causal_lm.py: targets counted after the shift first, then loss sums × the window scale
+        from ft_accum.core.loss_normalization import window_loss_scale
 
-        targets = 0
+        targets = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+        scale = window_loss_scale(targets, len(micro_batches), 1)
         for batch in micro_batches:
-            loss_sum, count = causal_lm_loss_sum(logits_of(model, batch), batch["labels"])
-            (loss_sum / (MICRO * len(micro_batches))).backward()
-            targets += int(count)
-        scale_gradients_(model.parameters(), window_gradient_scale(targets, MICRO, len(micro_batches), 1))
+            loss_sum, _ = causal_lm_loss_sum(logits_of(model, batch), batch["labels"])
+            (loss_sum * scale / len(micro_batches)).backward()  # ÷N: what accelerator.backward divides by
 
     methods = {
         "naive `loss / N`": naive,
@@ -148,7 +147,7 @@ def classification_errors(num_samples: int) -> dict[str, dict[str, float]]:
     """Fixed-length classification: every input is 16 tokens, so padding plays no part."""
     from transformers import BertConfig, BertForSequenceClassification, default_data_collator
 
-    from ft_accum.core.loss_normalization import scale_gradients_, window_gradient_scale
+    from ft_accum.core.loss_normalization import window_loss_scale
 
     generator = torch.Generator().manual_seed(5)
     ids = torch.randint(5, 100, (num_samples, 16), generator=generator)
@@ -177,15 +176,12 @@ def classification_errors(num_samples: int) -> dict[str, dict[str, float]]:
         for batch in micro_batches:
             (model(**batch).loss / len(micro_batches)).backward()
 
-    def ours(
-        model,
-    ):  # recipes/text_classification.py: summed loss / micro (and / N, as accelerator.backward does), then the exact window scale
+    def ours(model):  # recipes/text_classification.py: the window's samples counted first, summed loss × scale
+        scale = window_loss_scale(num_samples, len(micro_batches), 1)
         for batch in micro_batches:
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            (
-                torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum") / (MICRO * ACCUMULATION)
-            ).backward()
-        scale_gradients_(model.parameters(), window_gradient_scale(num_samples, MICRO, ACCUMULATION, 1))
+            loss_sum = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum")
+            (loss_sum * scale / len(micro_batches)).backward()  # ÷N: what accelerator.backward divides by
 
     methods = {
         "naive `loss / N`": naive,

@@ -45,7 +45,9 @@ def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
 
 def relative_difference(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
     if ours.keys() != theirs.keys():
-        raise SystemExit(f"error: the final/ folders hold different tensors: {sorted(ours.keys() ^ theirs.keys())[:5]}")
+        raise SystemExit(
+            f"error: the final/ folders hold different tensors: {sorted(ours.keys() ^ theirs.keys())[:5]}"
+        )
     diff = sum(float((ours[k] - theirs[k]).square().sum()) for k in ours)
     norm = sum(float(theirs[k].square().sum()) for k in ours)
     return (diff / norm) ** 0.5
@@ -54,7 +56,9 @@ def relative_difference(ours: dict[str, torch.Tensor], theirs: dict[str, torch.T
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", required=True, help="the commit to compare with (e.g. af29a05)")
-    parser.add_argument("--out", type=Path, required=True, help="worktree and runs go here; reruns reuse finished runs")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="worktree and runs go here; reruns reuse finished runs"
+    )
     parser.add_argument("--recipes", nargs="*", default=sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
     parser.add_argument("--updates", type=int, default=10)
     parser.add_argument("--only", choices=["theirs", "ours"], help="run one side only (e.g. the baseline first)")

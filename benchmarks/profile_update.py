@@ -3,7 +3,8 @@
 Where an update's time goes: `torch.profiler` over optimizer updates of the plain PyTorch loop and
 of recipes/causal_lm.py's loop body, in this process on the CPU (issue 16: host time shows a lot
 even without a GPU). The recipe's body is its own code: `training_step` loaded from the recipe, its
-`OutputLoss`, `AccumulationWindow` (the exact sync step) and a real Accelerator; only the progress
+`OutputLoss`, its `count_items` and `training/windows.py`'s `Window` (counted before the window
+runs) on a real Accelerator; only the progress
 bar, metrics.jsonl and checkpoints are left out. Three loops, on the model and data of
 bench_loop_overhead.py's "lm" workload (a 4-layer, 256-wide GPT-2 with SmolLM2's 49k vocabulary,
 packed 64-token blocks, 8 × 4 per update, fp32, fused AdamW, clipping at 1.0):
@@ -53,35 +54,35 @@ def plain_loop(model, loader):
 
 def recipe_loop(model, loader, chunked: bool):
     from accelerate import Accelerator
+    from accelerate.utils import GradientAccumulationPlugin
 
-    from ft_accum.core.batch_arithmetic import BatchPlan, apply_batch_plan
-    from ft_accum.core.loss_normalization import AccumulationWindow
+    from ft_accum.core.batch_arithmetic import BatchPlan
     from ft_accum.models.output_loss import OutputLoss
-    from ft_accum.training.training_state import TrainingState
+    from ft_accum.training.windows import Window
 
     recipe = load_script(ROOT / "recipes" / "causal_lm.py", "profiled_causal_lm")
-    accelerator = Accelerator(cpu=True)
-    plan = apply_batch_plan(accelerator, BatchPlan(loader.batch_size, ACCUMULATION, 1))
+    plugin = GradientAccumulationPlugin(num_steps=ACCUMULATION, sync_with_dataloader=False)  # as build_accelerator
+    accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
+    plan = BatchPlan(loader.batch_size, ACCUMULATION, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     output_loss = OutputLoss(accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=chunked)
-    window, state, nominal_tokens = (
-        AccumulationWindow(accelerator.device, max_grad_norm=1.0),
-        TrainingState(plan.effective),
-        plan.micro * 64,
-    )
-    for batch in loader:
-        batch = {k: v for k, v in batch.items() if k != "attention_mask"}  # the recipe's packed blocks have none
-        with accelerator.accumulate(model):
-            loss_sum, num_tokens, sequences = recipe.training_step(model, batch, output_loss)
-            window.add(loss_sum=loss_sum, items=num_tokens, samples=sequences, tokens=num_tokens)
-            accelerator.backward(loss_sum / nominal_tokens)
-            if accelerator.sync_gradients:
-                window.finish(accelerator, model, plan=plan, nominal=nominal_tokens, state=state)
-            optimizer.step()
-            optimizer.zero_grad()
-        if accelerator.sync_gradients:
-            yield
+    stream = iter(loader)
+    for _ in range(len(loader) // ACCUMULATION):
+        # The recipe's packed blocks have no attention mask.
+        micro_batches = [{k: v for k, v in next(stream).items() if k != "attention_mask"} for _ in range(ACCUMULATION)]
+        window = Window(accelerator, micro_batches, count_items=recipe.count_items, plan=plan)
+        for batch in window:
+            with accelerator.accumulate(model):
+                loss_sum = recipe.training_step(model, batch, output_loss)
+                accelerator.backward(loss_sum * window.scale)
+                window.add_loss(loss_sum)
+                if accelerator.sync_gradients:
+                    window.check_finite_loss()
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+        yield
     reset_accelerate_state()
 
 

@@ -40,13 +40,13 @@ def test_every_recipe_keeps_the_contract(recipe, capsys):
 
 def test_a_copy_with_the_classic_bug_fails_the_check_with_the_size_of_the_error(tmp_path, tiny_gpt2_dir, capsys):
     """A copy of the causal-LM recipe that backpropagates each micro-batch's token mean (loss / its own
-    token count, as copies of Accelerate's example do) instead of a constant: micro-batches of unequal
-    length then weigh their tokens unequally, and the check must fail and say by how much."""
+    token count, as copies of Accelerate's example do) instead of the window's scale: micro-batches of
+    unequal length then weigh their tokens unequally, and the check must fail and say by how much."""
     source = (ROOT / "recipes" / "causal_lm.py").read_text()
-    correct = "accelerator.backward(loss_sum / nominal_tokens)"
+    correct = "accelerator.backward(loss_sum * window.scale)"
     assert correct in source
     buggy = tmp_path / "my_causal_lm.py"
-    buggy.write_text(source.replace(correct, "accelerator.backward(loss_sum / num_tokens)"))
+    buggy.write_text(source.replace(correct, "accelerator.backward(loss_sum / count_items(batch))"))
     data = {"train": write_jsonl(tmp_path / "train.jsonl", make_documents(24, seed=11)),
             "validation": write_jsonl(tmp_path / "val.jsonl", make_documents(4, seed=12))}  # fmt: skip
     flags = tiny_lm_args(tiny_gpt2_dir, data, tmp_path / "unused")

@@ -7,7 +7,8 @@ Each loss is a normalised sum of per-token terms over the update's completions. 
 the completions' lengths vary (issue 43: bnpo 48% of the update off at 2 × 4, dapo 1.1% with one
 round over two updates). Here each function returns a micro-batch's numerator and the items it
 counts; the recipe divides the window's summed numerators by the window's items summed over all
-processes (loss_normalization.AccumulationWindow), so every update has its own exact normaliser.
+processes, counted before the update's first forward (`loss_items`; training/generation_round.py's
+windows), so every update has its own exact normaliser.
 
 Notation: completion i of the update has tokens t = 1..|o_i| (m_it = 1 for a token that counts:
 not padding, not after EOS, not in a truncated completion under `mask_truncated_completions`),

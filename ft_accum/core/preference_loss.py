@@ -4,8 +4,8 @@ Each loss is a mean over pairs of a function of per-sequence log-probabilities, 
 mean over the chosen tokens. `loss / N` over micro-batches of unequal pairs or tokens gets each
 normaliser wrong (issue 28: TRL's DPO update off by 100% at 3 × 2 on 10 pairs, ORPO by 2.2% at
 2 × 4). Here every function returns the micro-batch's *sums*; the recipe divides by the window's
-totals over all processes (loss_normalization.AccumulationWindow for the pairs, and, for ORPO's
-NLL term, the window's chosen tokens counted before its first forward).
+totals over all processes, both counted before the window's first forward (training/windows.py:
+the pairs through `window.scale`, ORPO's chosen tokens through `window.extra_counts`).
 
 Notation, for pair i: π_c, π_r the policy's summed log-probabilities of the chosen and rejected
 response tokens, ρ_c, ρ_r the reference's, |c|, |r| their token counts, σ the logistic function.

@@ -328,7 +328,7 @@ def tokenize_pairs(tokenizer, pairs: list[tuple[list, list, list]], max_length: 
 def collate_pairs(pad_token_id: int):
     """A micro-batch of B pairs: `chosen_*` and `rejected_*` input_ids, attention_mask and labels, B
     rows each, padded to one length (the forward runs them as 2B rows). One row per pair, so the
-    cut of Accelerate's repeated rows (training_state.take_rows) cuts whole pairs."""
+    cut of Accelerate's repeated rows (training/windows.py, take_rows) cuts whole pairs."""
     import torch
 
     collate_rows = collate_chats(pad_token_id, packed=False)
