@@ -204,7 +204,7 @@ def trl_run(model_dir, rows, loss_type, micro, accumulation, updates_per_round, 
 def our_run(model_dir, files, loss_type, micro, updates_per_round, work):
     """(final weights, recorded micro-batches, train seconds) of recipes/grpo.py, run in-process."""
     recipe = load_recipe("grpo")
-    recorded, micro_batch_loss = [], recipe.micro_batch_loss
+    recorded, training_step = [], recipe.training_step
 
     def recording(task, accelerator, model, reference, batch):
         prompt_width = batch["input_ids"].shape[1] - batch["completion_ids"].shape[1]
@@ -213,7 +213,7 @@ def our_run(model_dir, files, loss_type, micro, updates_per_round, work):
              batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist(), float(batch["advantages"][i]))
             for i in range(len(batch["completion_ids"]))
         ])  # fmt: skip
-        return micro_batch_loss(task, accelerator, model, reference, batch)
+        return training_step(task, accelerator, model, reference, batch)
 
     def fixed_sample(accelerator, model, prompts, sampling, seed):
         return [COMPLETIONS[tuple(prompt_ids)] for prompt_ids in prompts]
@@ -227,7 +227,7 @@ def our_run(model_dir, files, loss_type, micro, updates_per_round, work):
         "num_warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 0, "max_train_steps": UPDATES,
         "output_dir": work, "report_to": "none", "seed": 0,
     }  # fmt: skip
-    recipe.micro_batch_loss, sample = recording, generation_round.sample_prompts
+    recipe.training_step, sample = recording, generation_round.sample_prompts
     generation_round.sample_prompts = fixed_sample
     try:
         recipe.main(["--config=none", *(f"--{k}={v}" for k, v in flags.items())])

@@ -209,13 +209,13 @@ def sample_round(
     return generation_round.SampledRound(completions, scored, per_function, batches)
 
 
-def micro_batch_loss(task, accelerator, model, reference, batch):
-    """The micro-batch's per-token loss [B, C], and its clipped tokens, entropy and KL (for the logs)."""
+def training_step(task, accelerator, model, reference, batch):
+    """The micro-batch's summed loss, the numerator of --loss_type (the window divides once by the update's
+    items), and [clipped tokens, entropy, KL, counted tokens] summed over its completion tokens, for the logs."""
     log_probs, entropy = generation_round.completion_log_probs(model, batch)
     old = batch.get("old_log_probs", log_probs.detach())  # on-policy by default: the ratio is 1
-    weights = grpo_loss.log_importance_weights(
-        log_probs, old, batch["completion_mask"], task.importance_sampling_level
-    )
+    mask = batch["completion_mask"]
+    weights = grpo_loss.log_importance_weights(log_probs, old, mask, task.importance_sampling_level)
     per_token, clipped = grpo_loss.clipped_surrogate(weights, batch["advantages"], task.epsilon, task.epsilon_high)
     kl = torch.zeros_like(per_token)
     if task.beta > 0:
@@ -226,7 +226,9 @@ def micro_batch_loss(task, accelerator, model, reference, batch):
             else:
                 reference_log_probs, _ = generation_round.completion_log_probs(reference, batch)
         kl = grpo_loss.kl_k3(log_probs, reference_log_probs)
-    return per_token + task.beta * kl, clipped, entropy, kl.detach()
+    loss_sum, _ = grpo_loss.loss_sums(task.loss_type, per_token + task.beta * kl, mask, task.max_completion_length)
+    logs = torch.stack([(x * mask).sum() for x in (clipped.float(), entropy, kl.detach(), mask)])
+    return loss_sum, logs
 
 
 def train(task, args):
@@ -308,12 +310,10 @@ def train(task, args):
         logs = torch.zeros(4, device=accelerator.device)  # clipped, entropy, KL, counted tokens
         for batch in window:
             with accelerator.accumulate(model):
-                per_token, clipped, entropy, kl = micro_batch_loss(task, accelerator, model, reference, batch)
-                mask = batch["completion_mask"]
-                loss_sum, _ = grpo_loss.loss_sums(task.loss_type, per_token, mask, task.max_completion_length)
+                loss_sum, micro_logs = training_step(task, accelerator, model, reference, batch)
                 accelerator.backward(loss_sum * window.scale)  # scale = N·P / the update's items (--loss_type)
                 window.add_loss(loss_sum)
-                logs += torch.stack([(x * mask).sum() for x in (clipped.float(), entropy, kl, mask)])
+                logs += micro_logs
                 if accelerator.sync_gradients:  # the window's last micro-batch: a NaN loss stops before the step
                     window.check_finite_loss()
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)

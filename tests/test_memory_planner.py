@@ -119,7 +119,7 @@ def test_fake_trace_matches_memtracker_on_real_cpu_tensors():
     tracker = MemTracker()
     tracker.track_external(model, opt)
     with tracker, mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", mp.fused_attention):
-        mp.training_step(model, batch, "causal_lm").backward()
+        mp.recipe_step("causal_lm", None, "chunked")(model, batch, None).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     memtracker = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
@@ -507,3 +507,24 @@ def test_a_lora_plan_counts_the_base_in_the_dtype_the_recipes_load_it_in(precisi
     )
     loaded = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     assert traced[0].parameters == pytest.approx(loaded, rel=1e-3)  # the rotary buffer: cast by .to(), built fp32
+
+
+def test_the_plan_traces_the_recipes_own_step(tmp_path):
+    """The planner runs the recipe file's `training_step`, not a copy of it: a copied recipe whose step
+    keeps a second forward's activations alive for the backward gets a larger plan, with the planner
+    untouched, and its own file named by `recipe=`."""
+    source = (ROOT / "recipes" / "text_classification.py").read_text()
+    step = '    return F.cross_entropy(logits, batch["labels"], reduction="sum")\n'
+    assert step in source
+    twice = step.replace(
+        "return ", 'again = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()\n    return '
+    )
+    twice = twice.replace('reduction="sum")', 'reduction="sum") + 0 * again.sum()')
+    copy = tmp_path / "my_classifier.py"
+    copy.write_text(source.replace(step, twice))
+    config = mp.load_model_config(str(ROOT / "ft_accum" / "planner" / "model_configs" / "bert-base-uncased.json"))
+    settings = {"task": "text_classification", "micro_batch_size": 16, "seq_len": 128}
+    shipped = mp.trace_phases(config, **settings)[0].activations_gradients_temporaries
+    copied = mp.trace_phases(config, recipe=copy, **settings)[0].activations_gradients_temporaries
+    # A second forward whose graph the backward needs holds a second set of activations: ~2×.
+    assert 1.7 < copied / shipped < 2.3, (copied, shipped)

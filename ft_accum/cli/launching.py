@@ -49,8 +49,11 @@ def replan_for_memory(args: dict[str, Any], recipe_defaults_micro: int) -> dict[
 
 
 def default_micro(recipe: Path) -> int:
-    match = re.search(r"per_device_train_batch_size=(\d+)", recipe.read_text())
-    return int(match.group(1)) if match else 8
+    """The recipe's own default micro-batch, as its parser gives it with no config (a sweep's runs
+    pass `--config=none` and their own settings: `command_for`)."""
+    from ft_accum.training.arguments import recipe_arguments
+
+    return recipe_arguments(recipe, ["--config", "none"])[1].per_device_train_batch_size
 
 
 def process_tree(root: int) -> list[int]:

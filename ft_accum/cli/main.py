@@ -43,6 +43,7 @@ def plan_command(args: argparse.Namespace) -> int:
         preference_loss=args.loss,
         precompute_ref_log_probs=args.precompute_ref_log_probs,
         completion_length=args.completion_length,
+        recipe=args.recipe,
     )
     result["seconds"] = round(time.perf_counter() - started, 1)
     if args.json:
@@ -197,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="--task grpo: the recipe's --max_completion_length, the tokens scored (default: all of --seq_len)",
+    )
+    plan.add_argument(
+        "--recipe",
+        default=None,
+        help="the recipe file whose training_step is traced (default: the task's shipped recipe); your copy's path",
     )
     plan.add_argument("--gpu_memory", default="12GiB", help="memory of one card, e.g. 12GiB")
     plan.add_argument("--num_processes", type=int, default=1, help="GPUs (data parallel); the plan is per GPU")

@@ -208,8 +208,11 @@ def build_model(config, task: str, dtype: torch.dtype = torch.float32):
         ) from exc
 
 
-def example_batch(config, task: str, micro_batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
-    """A random micro-batch of `micro_batch_size` × `seq_len` tokens with the labels `task` trains on."""
+def example_batch(
+    config, task: str, micro_batch_size: int, seq_len: int, completion_length: int | None = None
+) -> dict[str, torch.Tensor]:
+    """A random micro-batch of `micro_batch_size` × `seq_len` tokens with the labels `task` trains on, in the
+    form the task's recipe collates (GRPO: the last `completion_length` tokens are the scored completion)."""
     rows = 2 * micro_batch_size if task == "preference" else micro_batch_size  # a pair: chosen and rejected
     ids = torch.randint(0, config.vocab_size, (rows, seq_len))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -220,12 +223,15 @@ def example_batch(config, task: str, micro_batch_size: int, seq_len: int) -> dic
         batch = {"input_ids": ids, "labels": ids}
     elif task == "grpo":  # a completion batch (generation_round.completion_batch): prompt + completion columns
         batch["position_ids"] = torch.arange(seq_len).expand(micro_batch_size, -1)
+        batch["completion_ids"] = ids[:, -(completion_length or seq_len - 1) :]
+        batch["completion_mask"] = torch.ones_like(batch["completion_ids"])
+        batch["advantages"] = torch.ones(micro_batch_size)  # values don't matter to memory
     elif task == "text_classification":
         batch["labels"] = torch.zeros(micro_batch_size, dtype=torch.long)
     elif task == "token_classification":
         batch["labels"] = torch.zeros_like(ids)
-    else:
-        batch["labels"] = ids  # the decoder sees as many tokens as the encoder
+    else:  # the decoder sees as many tokens as the encoder; the recipe's collator shifts its inputs
+        batch["labels"], batch["decoder_input_ids"] = ids, ids
     return batch
 
 
@@ -271,49 +277,62 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 LOSS_PATHS = ("chunked", "logits", "model")
 
 
-def grpo_step(model, batch: dict, completion_length: int) -> torch.Tensor:
-    """recipes/grpo.py's micro-batch loss at β = 0, through its own functions: the log-probs and
-    entropy of the last `completion_length` tokens only (`generation_round.completion_log_probs`:
-    `logits_to_keep`, so the prompt's logits are never built), the clipped surrogate and dapo's sums."""
-    from ft_accum.core import grpo_loss
-    from ft_accum.training.generation_round import completion_log_probs
-
-    completion_ids = batch["input_ids"][:, -completion_length:]
-    batch = {**batch, "completion_ids": completion_ids, "completion_mask": torch.ones_like(completion_ids)}
-    log_probs, _ = completion_log_probs(model, batch)
-    weights = grpo_loss.log_importance_weights(log_probs, log_probs.detach(), batch["completion_mask"])
-    advantages = torch.ones(len(completion_ids), device=log_probs.device)  # values don't matter to memory
-    per_token, _ = grpo_loss.clipped_surrogate(weights, advantages, 0.2, 0.2)
-    loss_sum, items = grpo_loss.loss_sums("dapo", per_token, batch["completion_mask"], completion_length)
-    return loss_sum / items
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+# The recipe file of each task, where its name differs (an instruction-tuning run is planned as causal_lm).
+RECIPE = {"preference": "preference_tuning"}
 
 
-def training_step(
-    model, batch: dict, task: str, loss: str = "chunked", reference=None, completion_length: int | None = None
-) -> torch.Tensor:
-    """One micro-batch's loss, as the step that is traced computes it.
+def recipe_path(task: str, recipe: str | Path | None = None) -> Path:
+    """The recipe whose training step the plan traces: `recipe`, or the task's shipped one."""
+    path = Path(recipe) if recipe else RECIPES_DIR / f"{RECIPE.get(task, task)}.py"
+    if not path.is_file():
+        raise ConfigError(f"no recipe at {path} to trace the training step of; give --recipe recipes/<name>.py")
+    return path
 
-    "chunked" and "logits" are the language-model recipes' `OutputLoss` (the default, and
-    --no_chunked_loss); "model" is the model's own loss, `model(**batch).loss`, which is what a plain
-    PyTorch loop and the Transformers Trainer backpropagate, and what the classifier recipes use.
-    A GRPO micro-batch is completions of `seq_len` tokens, prompt and completion (`grpo_step`).
-    A preference micro-batch holds each pair's two sequences; DPO's `reference` ("adapters_off":
-    the same model with its LoRA adapters off, or a frozen copy) then runs a forward without grad
-    while the policy's activations wait for the backward, as in recipes/preference_tuning.py.
+
+def recipe_step(task: str, recipe: str | Path | None, loss: str):
+    """`step(model, batch, reference) -> loss` for the trace: the recipe file's own `training_step`, loaded
+    by path, so a change to a recipe's step (or a copy's) changes its plan.
+
+    Sample-weighted recipes take `(model, batch)`; the language-model ones `(model, batch, output_loss)`,
+    given an `OutputLoss` as the recipe builds it ("chunked", or "logits" for --no_chunked_loss); GRPO's
+    `(task, accelerator, model, reference, batch)` with its parsed defaults at β = 0 (no reference, so no
+    accelerator call). The preference step is still the planner's own (`preference_step`): its pairs'
+    forward needs the recipe's tokenized pair format and reference handling, not yet traced from the file.
+    "model" is the model's own loss, `model(**batch).loss`: what a plain PyTorch loop and the Trainer run.
     """
+    if loss == "model":
+        return lambda model, batch, reference: model(**batch).loss
+    if task == "preference":
+        return lambda model, batch, reference: preference_step(model, batch, loss, reference)
+    from ft_accum.training.arguments import load_recipe_module, recipe_arguments
+
+    module = load_recipe_module(recipe_path(task, recipe))
     if task == "grpo":
-        return grpo_step(model, batch, completion_length or batch["input_ids"].shape[1] - 1)
-    if task not in ("causal_lm", "seq2seq", "preference") or loss == "model":
-        return model(**batch).loss
+        task_args = recipe_arguments(module, ["--config", "none", "--beta", "0"])[0]
+        return lambda model, batch, reference: module.training_step(task_args, None, model, None, batch)[0]
+    if "output_loss" not in module.training_step.__code__.co_varnames:
+        return lambda model, batch, reference: module.training_step(model, batch)
     from ft_accum.models.output_loss import OutputLoss
 
     # Fake tensors have no values: nothing to check against the logits, and no target spans to trim
     # the per-row losses to (whole rows: what a row with targets to its end costs, an upper bound).
     settings = {"enabled": loss == "chunked", "check_logits": False, "trim_to_targets": False}
-    loss_fn = OutputLoss(model, shift=task != "seq2seq", **settings)
+    return lambda model, batch, reference: module.training_step(
+        model, batch, OutputLoss(model, shift=task != "seq2seq", **settings)
+    )
+
+
+def preference_step(model, batch: dict, loss: str, reference=None) -> torch.Tensor:
+    """A preference micro-batch (each pair's two sequences as rows) through the recipes' `OutputLoss`;
+    DPO's `reference` ("adapters_off": the same model with its LoRA adapters off, or a frozen copy) then
+    runs a forward without grad while the policy's activations wait for the backward, as in
+    recipes/preference_tuning.py."""
+    from ft_accum.models.output_loss import OutputLoss
+
+    settings = {"enabled": loss == "chunked", "check_logits": False, "trim_to_targets": False}
+    loss_fn = OutputLoss(model, shift=True, **settings)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    if task == "seq2seq":
-        inputs["decoder_input_ids"] = batch["labels"]
     loss_sum, _ = loss_fn(model, batch["labels"], **inputs)
     if reference is not None:
         with torch.no_grad():
@@ -322,7 +341,7 @@ def training_step(
                     loss_fn.per_row(model, batch["labels"], **inputs)
             else:
                 OutputLoss(reference, shift=True, **settings).per_row(reference, batch["labels"], **inputs)
-    return loss_sum / batch["labels"].numel()
+    return loss_sum
 
 
 def low_bit_state_bytes(numel: int, optimizer: str) -> float:
@@ -400,13 +419,15 @@ def trace_micro_batches(
     preference_loss: str = "dpo",
     precompute_ref_log_probs: bool = False,
     completion_length: int | None = None,
+    recipe: str | Path | None = None,
     real_tensors: bool = False,
     accounting: dict | None = None,
 ) -> dict[int, tuple[MemoryEstimate, MemoryEstimate]]:
     """One model, one steady-state step per micro-batch size: {m: (forward+backward peak, optimizer-step peak)}.
 
     The optimizer state is allocated before tracing (PyTorch allocates it lazily at the first
-    step). The step is the recipes' own (`training_step`; `loss_path` picks its loss). `attention="fused"` traces CUDA's fused
+    step). The step is the recipe's own (`recipe_step`: the `training_step` of `recipe`, by default the
+    task's shipped recipe file; `loss_path` picks its loss). `attention="fused"` traces CUDA's fused
     SDPA kernels (`fused_attention`); "math" keeps the T × T scores, as SDPA's math path and eager
     attention do. `real_tensors=True` runs the same step on real CPU tensors (small models only), to
     validate the fake trace. `accounting`, if given, receives the live bytes right after backward
@@ -429,7 +450,7 @@ def trace_micro_batches(
     `precompute_ref_log_probs` (the log-probs read from a table, no reference in memory).
 
     `task="grpo"`: a micro-batch of m completions of `seq_len` tokens (prompt + completion), the
-    last `completion_length` of them scored (`grpo_step`), at β = 0 (no reference: the recipe's default).
+    last `completion_length` of them scored (the recipe's step), at β = 0 (no reference: the recipe's default).
     """
     FakeTensorMode, _ = torch_internals()
     if precision not in PRECISIONS:
@@ -444,6 +465,7 @@ def trace_micro_batches(
         raise ConfigError(
             "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --lora_r 16"
         )
+    step = recipe_step(task, recipe, loss_path)
     torch.manual_seed(0)
     config = copy.deepcopy(config)  # the model shares it, and checkpointing sets use_cache on it below
     with contextlib.nullcontext() if real_tensors else FakeTensorMode():
@@ -501,7 +523,7 @@ def trace_micro_batches(
         dequantized = max((w.numel() * 2 for w in quantized), default=0)
         results = {}
         for micro_batch_size in micro_batch_sizes:
-            batch = example_batch(config, task, micro_batch_size, seq_len)
+            batch = example_batch(config, task, micro_batch_size, seq_len, completion_length)
             tracker = _live_bytes_mode()
             for tensor in [p for m in (model, *copies) for p in (*m.parameters(), *m.buffers())]:
                 tracker.add(tensor, static=True)
@@ -518,7 +540,7 @@ def trace_micro_batches(
             offload = offload_hooks(tracker) if offload_activations else contextlib.nullcontext()
             with tracker, kernels:  # backward too: checkpointing recomputes attention there
                 with autocast, offload:
-                    loss = training_step(model, batch, task, loss_path, reference, completion_length)
+                    loss = step(model, batch, reference)
                 loss.float().backward()
                 del loss
                 if accounting is not None:
@@ -704,8 +726,10 @@ def plan(
     preference_loss: str = "dpo",
     precompute_ref_log_probs: bool = False,
     completion_length: int | None = None,
+    recipe: str | Path | None = None,
 ) -> dict[str, Any]:
     """Every exact split of the effective batch, with and without checkpointing: predicted peak, fit, speed.
+    The step traced is the `training_step` of `recipe` (default: the task's shipped recipe file).
 
     The recommendation is the fastest candidate that fits (ties go to the larger micro-batch).
     `offload_activations` allows offloading, and the planner decides where: it only adds copies, so
@@ -745,6 +769,7 @@ def plan(
         "attention": attention,
         "loss_path": loss_path,
         "load_in_4bit": load_in_4bit,
+        "recipe": str(recipe) if recipe else None,
         **task_settings,
     }
     tokens_per_sample = seq_len * (2 if task == "preference" else 1)  # a pair is two sequences
@@ -835,6 +860,7 @@ def plan(
         "loss_path": loss_path,
         "load_in_4bit": load_in_4bit,
         "offload_activations": offload_activations,
+        "recipe": str(recipe) if recipe else None,
         **task_settings,
         "gpu_tflops": gpu_tflops,
         "pcie_gbps": pcie_gbps,
@@ -856,7 +882,6 @@ SEQUENCE_FLAG = {
     "preference": "--max_seq_length",
     "grpo": "--max_completion_length",
 }
-RECIPE = {"preference": "preference_tuning"}  # the recipe file of each task, where its name differs
 
 
 def launch_line(result: dict) -> str | None:
@@ -889,9 +914,10 @@ def launch_line(result: dict) -> str | None:
         flags.append("--gradient_checkpointing")
     # The plan allows offloading; the recommended candidate says whether it uses it.
     settings = {**result, "offload_activations": best.get("offload_activations", False)}
+    recipe = result.get("recipe") or f"recipes/{RECIPE.get(result['task'], result['task'])}.py"
     return (
         f"accelerate launch --config_file accelerate_configs/{accelerate_config} "
-        f"recipes/{RECIPE.get(result['task'], result['task'])}.py {' '.join(flags + recipe_flags(settings))}"
+        f"{recipe} {' '.join(flags + recipe_flags(settings))}"
     )
 
 

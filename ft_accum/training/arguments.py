@@ -14,13 +14,14 @@ it is why the YAML is applied with `set_defaults` instead of `HfArgumentParser.p
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import math
 import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import yaml
 
@@ -333,6 +334,10 @@ def _one_line_error(message: str):
     raise ConfigError(f"{message}; see --help")
 
 
+# Set by `recipe_arguments`: a recipe's `main` then returns its parsed arguments instead of training.
+PARSE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("PARSE_ONLY", default=False)
+
+
 def run_main(train, task_class: type, argv: list[str] | None, description: str | None, **recipe_defaults):
     """A recipe's `main`: parse and train, with input errors as one `error:` line (errors.one_line_errors).
     The output folder's lock (run_outputs.lock_output_dir) is released however it ends."""
@@ -343,9 +348,33 @@ def run_main(train, task_class: type, argv: list[str] | None, description: str |
     try:
         with one_line_errors(), collective_failures():
             default_config = recipe.parent / "configs" / f"{recipe.stem}.yaml"
-            return train(*parse_args(task_class, argv, description, default_config, **recipe_defaults))
+            parsed = parse_args(task_class, argv, description, default_config, **recipe_defaults)
+            return parsed if PARSE_ONLY.get() else train(*parsed)
     finally:
         release_output_locks()
+
+
+def load_recipe_module(path: str | Path):
+    """The recipe file at `path` as a module (recipes/ is a folder of scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"loaded_recipe_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def recipe_arguments(recipe, argv: list[str]) -> tuple[Any, TrainingArguments]:
+    """(TaskArguments, TrainingArguments) that `recipe` (a recipe file's path, or its loaded module) would
+    run with for `argv`: its own `main` and parser (its defaults, its config, the flags), with the
+    training left out. How the command-line tools and the planner read a recipe's defaults, so that a
+    copy's own defaults count."""
+    module = load_recipe_module(recipe) if isinstance(recipe, (str, Path)) else recipe
+    token = PARSE_ONLY.set(True)
+    try:
+        return module.main(argv)
+    finally:
+        PARSE_ONLY.reset(token)
 
 
 def read_yaml_config(path: str | Path, *config_classes: type) -> dict:
