@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ft_accum.core.batch_arithmetic import BatchPlan
 from ft_accum.planner import memory_planner
 from ft_accum.testing.benchmarking import machine_info, optimizer_state_bytes, run_recipe
 from ft_accum.training.run_setup import build_optimizer
@@ -65,8 +66,10 @@ def state_bytes(model_dir: str | None, dtype: str, optim: str) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir or bundled_smollm2_dir())
     model = model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
-    settings = argparse.Namespace(optim=optim, weight_decay=0.0, model_dtype=dtype)
-    optimizer = build_optimizer(model, settings, 1e-5, ())
+    settings = argparse.Namespace(
+        optim=optim, weight_decay=0.0, model_dtype=dtype, scaled_learning_rate=lambda effective_batch_size: 1e-5
+    )
+    optimizer = build_optimizer(model, settings, plan=BatchPlan(1, 1, 1), no_decay=())
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()

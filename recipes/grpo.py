@@ -235,8 +235,7 @@ def train(task, args):
     for flag in ("accumulation_schedule", "auto_micro_batch", "measure_noise_scale"):
         if getattr(args, flag):
             raise ConfigError(f"--{flag}: grpo sizes each update from its round of completions; drop the flag")
-    accelerator = run_setup.build_accelerator(task, args, "grpo", loss_weighted_by="tokens")
-    plan = args.batch_plan(accelerator.num_processes)
+    accelerator, plan = run_setup.build_accelerator(task, args, "grpo", loss_weighted_by="tokens")
     set_seed(args.seed)
     with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
         model, reference, tokenizer = build_model(task, args, accelerator)
@@ -255,7 +254,7 @@ def train(task, args):
     optimizer = run_setup.build_optimizer(
         model,
         args=args,
-        learning_rate=args.scaled_learning_rate(plan.effective),
+        plan=plan,
         no_decay=("bias", "norm.weight"),
         loraplus_lr_ratio=task.loraplus_lr_ratio,
     )

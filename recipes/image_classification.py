@@ -215,10 +215,9 @@ def training_step(model, batch):
 
 
 def train(task, args):
-    accelerator = run_setup.build_accelerator(task, args, "image_classification")
+    accelerator, plan = run_setup.build_accelerator(task, args, "image_classification")
     if not task.model_name_or_path:  # refused before the data loads, not at prepare
         run_setup.refuse_under_fsdp(accelerator, "the default ResNet (no input embeddings, 0.08M parameters)")
-    plan = args.batch_plan(accelerator.num_processes)
     offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
@@ -229,9 +228,7 @@ def train(task, args):
         accelerator.print(notice)
     train_dataloader, eval_dataloader = build_dataloaders(task, args, raw, processor, label_names)
     run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
-    optimizer = run_setup.build_optimizer(
-        model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
-    )
+    optimizer = run_setup.build_optimizer(model, args=args, plan=plan, no_decay=NO_DECAY)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )

@@ -229,8 +229,7 @@ def save_extras(task, accelerator, model, tokenizer, output_dir) -> dict:
 
 
 def train(task, args):
-    accelerator = run_setup.build_accelerator(task, args, "instruction_tuning", loss_weighted_by="tokens")
-    plan = args.batch_plan(accelerator.num_processes)
+    accelerator, plan = run_setup.build_accelerator(task, args, "instruction_tuning", loss_weighted_by="tokens")
     offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
@@ -242,7 +241,7 @@ def train(task, args):
     optimizer = run_setup.build_optimizer(
         model,
         args=args,
-        learning_rate=args.scaled_learning_rate(plan.effective),
+        plan=plan,
         no_decay=NO_DECAY,
         loraplus_lr_ratio=task.loraplus_lr_ratio,
     )

@@ -242,8 +242,7 @@ def pair_dataloaders(task, args, accelerator, tokenizer, pairs):
 
 
 def train(task, args):
-    accelerator = run_setup.build_accelerator(task, args, "preference_tuning", loss_weighted_by="tokens")
-    plan = args.batch_plan(accelerator.num_processes)
+    accelerator, plan = run_setup.build_accelerator(task, args, "preference_tuning", loss_weighted_by="tokens")
     set_seed(args.seed)
 
     pairs = load_pairs(task, args)
@@ -254,7 +253,7 @@ def train(task, args):
     optimizer = run_setup.build_optimizer(
         model,
         args=args,
-        learning_rate=args.scaled_learning_rate(plan.effective),
+        plan=plan,
         no_decay=NO_DECAY,
         loraplus_lr_ratio=task.loraplus_lr_ratio,
     )

@@ -194,8 +194,7 @@ def evaluate_model(model, eval_dataloader, accelerator, seqeval, label_names):
 
 
 def train(task, args):
-    accelerator = run_setup.build_accelerator(task, args, "token_classification", loss_weighted_by="tokens")
-    plan = args.batch_plan(accelerator.num_processes)
+    accelerator, plan = run_setup.build_accelerator(task, args, "token_classification", loss_weighted_by="tokens")
     offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
@@ -211,9 +210,7 @@ def train(task, args):
         task, args, accelerator, raw, tokenizer, label_column, label_names
     )
     run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
-    optimizer = run_setup.build_optimizer(
-        model, args=args, learning_rate=args.scaled_learning_rate(plan.effective), no_decay=NO_DECAY
-    )
+    optimizer = run_setup.build_optimizer(model, args=args, plan=plan, no_decay=NO_DECAY)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )

@@ -9,6 +9,7 @@ import pytest
 from conftest import ROOT, error_of, make_documents, tiny_lm_args, write_jsonl
 
 from ft_accum.cli.check import check, format_table
+from ft_accum.core.batch_arithmetic import BatchPlan
 from ft_accum.models.lora import LoraSettings, apply_lora
 from ft_accum.testing import make_conversations, make_preference_pairs
 from ft_accum.training.accumulation_scheduler import set_peak_learning_rate
@@ -45,8 +46,9 @@ def test_loraplus_keeps_the_b_matrices_at_ratio_times_the_lr_through_the_schedul
     from transformers import get_scheduler
 
     model = lora_model(tiny_llama_dir)
-    args = TrainingArguments(optim="sgd", weight_decay=0.0)
-    optimizer = build_optimizer(model, args, learning_rate=1e-3, no_decay=("bias",), loraplus_lr_ratio=16.0)
+    args = TrainingArguments(optim="sgd", weight_decay=0.0, learning_rate=1e-3)  # no --base_batch_size: not scaled
+    plan = BatchPlan(micro=4, accumulation=2, processes=1)
+    optimizer = build_optimizer(model, args, plan=plan, no_decay=("bias",), loraplus_lr_ratio=16.0)
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     b = next(p for n, p in model.named_parameters() if "lora_B" in n)
     a = next(p for n, p in model.named_parameters() if "lora_A" in n)

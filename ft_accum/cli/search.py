@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ft_accum.core.batch_arithmetic import effective_batch_size, micro_batches_for
 from ft_accum.core.errors import ConfigError
 from ft_accum.core.lr_scaling import scale_learning_rate
 from ft_accum.training.arguments import TrainingArguments, typed_value
@@ -368,11 +369,8 @@ def batch_settings(args: dict[str, Any], plan: dict | None, default_micro: int, 
         if best["gradient_checkpointing"]:
             args["gradient_checkpointing"] = True
         return args
-    if effective % num_processes:
-        raise ConfigError(f"effective_batch_size {effective} does not split over {num_processes} processes")
     cap = int(args.get("per_device_train_batch_size", default_micro))
-    per_process = effective // num_processes
-    args["per_device_train_batch_size"] = max(m for m in range(1, min(cap, per_process) + 1) if per_process % m == 0)
+    args["per_device_train_batch_size"] = max(m for m in micro_batches_for(effective, num_processes) if m <= cap)
     return args
 
 
@@ -383,8 +381,8 @@ def final_learning_rate(args: dict[str, Any], num_processes: int) -> float | Non
     def value(name):
         return args.get(name, defaults[name].default)
 
-    effective = value("effective_batch_size") or (
-        int(value("per_device_train_batch_size")) * int(value("gradient_accumulation_steps") or 1) * num_processes
+    effective = value("effective_batch_size") or effective_batch_size(
+        int(value("per_device_train_batch_size")), int(value("gradient_accumulation_steps") or 1), num_processes
     )
     base = value("base_batch_size")
     return scale_learning_rate(

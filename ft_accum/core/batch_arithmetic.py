@@ -65,6 +65,18 @@ def resolve_gradient_accumulation_steps(
     return effective_batch_size // per_window
 
 
+def micro_batches_for(effective_batch_size: int, num_processes: int = 1) -> list[int]:
+    """Every micro-batch that splits the effective batch exactly: the divisors of effective / processes
+    (each with accumulation = effective / (micro × processes)). A ConfigError if the processes don't divide it."""
+    if effective_batch_size < 1 or effective_batch_size % num_processes:
+        raise ConfigError(
+            f"--effective_batch_size {effective_batch_size} does not split over {num_processes} process(es); "
+            f"use a multiple of {num_processes}"
+        )
+    per_process = effective_batch_size // num_processes
+    return [m for m in range(1, per_process + 1) if per_process % m == 0]
+
+
 def divisors_fitting(n: int, at_most: int) -> int | None:
     """The largest divisor of n that is ≤ at_most (a micro-batch that still fits), or None."""
     for d in range(min(n, at_most), 0, -1):

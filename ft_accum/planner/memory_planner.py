@@ -38,6 +38,7 @@ from unittest import mock
 
 import torch
 
+from ft_accum.core.batch_arithmetic import micro_batches_for
 from ft_accum.core.errors import ConfigError
 from ft_accum.models.loading import check_context_length, enable_gradient_checkpointing
 
@@ -694,14 +695,8 @@ def training_flops_per_token(config, task: str, trains_base_weights: bool) -> fl
 
 
 def candidate_micro_batches(effective_batch_size: int, num_processes: int = 1) -> list[int]:
-    """Micro-batches that split the effective batch exactly: the divisors of effective / processes."""
-    if effective_batch_size < 1 or effective_batch_size % num_processes:
-        raise ConfigError(
-            f"--effective_batch_size {effective_batch_size} does not split over {num_processes} process(es); "
-            f"use a multiple of {num_processes}"
-        )
-    per_process = effective_batch_size // num_processes
-    return [m for m in range(1, per_process + 1) if per_process % m == 0]
+    """Micro-batches that split the effective batch exactly (`batch_arithmetic.micro_batches_for`)."""
+    return micro_batches_for(effective_batch_size, num_processes)
 
 
 def plan(

@@ -51,7 +51,7 @@ class AccumulationScheduler:
         scaled_learning_rate,
     ):
         """`scaled_learning_rate(effective_batch)` is the peak LR for an effective batch (--lr_scaling)."""
-        self.start, self.processes = plan.effective, plan.processes
+        self.plan, self.start, self.processes = plan, plan.effective, plan.processes  # the run's starting split
         self.lr_scheduler_type, self.num_warmup_steps = lr_scheduler_type, num_warmup_steps
         self.scaled_learning_rate = scaled_learning_rate
         self.schedule = schedule

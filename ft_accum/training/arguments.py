@@ -26,7 +26,7 @@ from typing import Any, Optional, TypeVar
 import yaml
 
 from ft_accum.core.accumulation_schedule import parse_accumulation_schedule
-from ft_accum.core.batch_arithmetic import BatchPlan, check_accumulation_settings
+from ft_accum.core.batch_arithmetic import BatchPlan
 from ft_accum.core.errors import ConfigError, one_line_errors
 from ft_accum.core.lr_scaling import POLICIES, scale_learning_rate
 
@@ -159,7 +159,8 @@ class TrainingArguments:
     )
 
     def __post_init__(self):
-        check_accumulation_settings(self.gradient_accumulation_steps, self.effective_batch_size)
+        # --gradient_accumulation_steps and --effective_batch_size are checked with the split they make, once
+        # the process count is known (batch_plan: run_setup.build_accelerator calls it first).
         require_at_least(
             self,
             1,

@@ -21,9 +21,11 @@ from ft_accum.training.graceful_stop import started_command, without_resume
 from ft_accum.training.run_outputs import check_accelerator, describe_engine, prepare_output_dir, resolve_report_to
 
 
-def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str = "samples") -> Accelerator:
-    """The run's Accelerator, after the checks that refuse launches it would silently run wrong
-    (`check_accelerator`) and the guard on --output_dir; trackers started when --report_to has one.
+def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str = "samples"):
+    """(the run's Accelerator, its BatchPlan), after the checks that refuse launches it would silently run
+    wrong (`check_accelerator`), the batch split's (`BatchPlan.from_settings`, the one place it is made
+    and checked: before --output_dir is touched), and the guard on --output_dir; trackers started when
+    --report_to has one.
 
     The batch plan follows from the process count, which only the Accelerator knows for sure (a bare
     PartialState() ignores ACCELERATE_USE_CPU and would report one process under DDP on CPU); each
@@ -44,6 +46,7 @@ def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str 
     )
     collective_timeout.start_run(args.ddp_timeout, accelerator.process_index, accelerator.num_processes)
     check_accelerator(accelerator, loss_weighted_by=loss_weighted_by)
+    plan = args.batch_plan(accelerator.num_processes)
     prepare_output_dir(
         args.output_dir,
         resume=bool(args.resume_from_checkpoint),
@@ -60,17 +63,18 @@ def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str 
         accelerator.init_trackers(
             project_name, config={k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))}
         )
-    return accelerator
+    return accelerator, plan
 
 
 def build_optimizer(
     model: torch.nn.Module,
     args,
-    learning_rate: float,
+    plan,
     no_decay: tuple[str, ...],
     loraplus_lr_ratio: float | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW (fused, the Trainer's default too), bitsandbytes' 8-bit AdamW (`--optim adamw_8bit`,
+    """At --learning_rate scaled to the plan's effective batch (--lr_scaling; computed here, once: the banner
+    reads it back from `optimizer.defaults`), AdamW (fused, the Trainer's default too), bitsandbytes' 8-bit AdamW (`--optim adamw_8bit`,
     see low_memory.adamw_8bit) or SGD with momentum 0.9, over the trainable parameters; no weight
     decay on those whose names end with one of `no_decay` (biases, norms).
 
@@ -89,6 +93,7 @@ def build_optimizer(
             return adamw_8bit_stochastic_rounding(groups, lr, bf16_weights=args.model_dtype == "bfloat16")
         return torch.optim.AdamW(groups, lr=lr, fused=True)
 
+    learning_rate = args.scaled_learning_rate(plan.effective)
     if loraplus_lr_ratio:
         from peft.optimizers import create_loraplus_optimizer
 
@@ -138,7 +143,7 @@ def run_banner(
     }
     lr_line = describe_lr_scaling(
         args.learning_rate,
-        args.scaled_learning_rate(plan.effective),
+        optimizer.defaults["lr"],  # build_optimizer's scaled LR
         plan.effective,
         args.base_batch_size,
         args.lr_scaling,
@@ -200,7 +205,7 @@ def train_windows(accelerator, args, train_dataloader, state, *, scheduler, coun
     from ft_accum.training.noise_meter import NoiseScaleMeter
     from ft_accum.training.windows import TrainWindows
 
-    plan = args.batch_plan(accelerator.num_processes)
+    plan = scheduler.plan
     parameters = [p for group in scheduler.optimizer.param_groups for p in group["params"]]
     return TrainWindows(
         accelerator,
