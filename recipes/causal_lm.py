@@ -284,7 +284,7 @@ def train(task, args):
         if window.ends_epoch:
             with tracker.paused():
                 eval_metrics = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
-            run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
+            tracker.log_evaluation(eval_metrics)
     initial = {"initial_eval_perplexity": initial_eval["eval_perplexity"]}
     extras = lambda: save_extras(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
     return tracker.finish(

@@ -324,7 +324,7 @@ def train(task, args):
         if window.ends_epoch:
             with tracker.paused():
                 eval_metrics = evaluate_prompts(*rewarding)
-            accelerator.print(f"epoch {state.epoch}: eval_reward {eval_metrics['eval_reward']:.3f}")
+            tracker.log_evaluation(eval_metrics)
     return tracker.finish(
         model, tokenizer=tokenizer, plan=plan, **eval_metrics, initial_eval_reward=initial_eval["eval_reward"]
     )

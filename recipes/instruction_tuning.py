@@ -300,7 +300,7 @@ def train(task, args):
                 eval_metrics = evaluate(
                     task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations
                 )
-            run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
+            tracker.log_evaluation(eval_metrics)
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     counts = {
         "truncated_train_conversations": train_chats.truncated,

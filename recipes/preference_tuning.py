@@ -44,7 +44,7 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.training import reference_log_probs, run_outputs, run_setup, training_state
+from ft_accum.training import reference_log_probs, run_setup, training_state
 from ft_accum.training.arguments import LoraArguments, run_main
 from ft_accum.training.graceful_stop import GracefulStop
 
@@ -324,7 +324,7 @@ def train(task, args):
         if window.ends_epoch:
             with tracker.paused():
                 eval_metrics = evaluate_pairs(references["validation"], reference_loss)
-            run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
+            tracker.log_evaluation(eval_metrics)
     counts = {"truncated_train_pairs": train_pairs.truncated, "dropped_train_pairs": train_pairs.dropped}
     return tracker.finish(model, tokenizer=tokenizer, plan=train_windows.plan, **eval_metrics, **initial, **counts)
 

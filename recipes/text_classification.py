@@ -35,7 +35,7 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import data_sources, offline_assets
 from ft_accum.data.metrics import load_metric
 from ft_accum.models import loading, low_memory
-from ft_accum.training import run_outputs, run_setup, training_state
+from ft_accum.training import run_setup, training_state
 from ft_accum.training.arguments import run_main
 from ft_accum.training.graceful_stop import GracefulStop
 
@@ -204,7 +204,7 @@ def train(task, args):
         if window.ends_epoch:
             with tracker.paused():
                 eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
-            run_outputs.log_evaluation(accelerator, epoch=state.epoch, step=state.step, metrics=eval_metrics)
+            tracker.log_evaluation(eval_metrics)
     return tracker.finish(model, tokenizer=tokenizer, plan=train_windows.plan, **eval_metrics)
 
 

@@ -19,7 +19,7 @@ from ft_accum.core.errors import register_progress_bar
 from ft_accum.core.loss_normalization import check_skipped_updates
 from ft_accum.training import checkpointing, collective_timeout
 from ft_accum.training.model_card import is_exportable_causal_lm, write_model_card
-from ft_accum.training.run_outputs import log_update, save_final, truncate_metrics, write_results
+from ft_accum.training.run_outputs import log_evaluation, log_update, save_final, truncate_metrics, write_results
 
 
 @dataclass
@@ -39,6 +39,7 @@ class TrainingState:
     skipped_updates: int = 0  # fp16 overflow
     consecutive_skipped: int = 0
     noise_scale_ema: Optional[dict] = None
+    eval_metrics: Optional[dict] = None  # the last evaluation's numbers: a run resumed at its end still reports them
     last_checkpoint: Optional[str] = None
 
     def complete_update(self, window, skipped: bool, max_consecutive_skipped_updates: int) -> None:
@@ -207,6 +208,8 @@ class RunTracker:
         self.accelerator, self.settings, self.state, self.signature = accelerator, settings, state, signature
         self.stop = stop
         self.noise = None  # the NoiseScaleMeter of the windows, once an update has been measured
+        # A checkpoint (or stop) due at an epoch's last update waits for its evaluation (`log_evaluation`).
+        self.pending, self.stopping = False, False
         self.num_update_steps = num_update_steps
         self.clock = TrainClock(state.train_seconds)
         position = collective_timeout.POSITION  # what a stuck collective's error line reports
@@ -240,21 +243,41 @@ class RunTracker:
         collective_timeout.POSITION.updates_done = state.step
         record = state.record(window, grad_norm, float(learning_rate), self.clock.lap(), **columns)
         log_update(self.accelerator, settings.output_dir, record, self.progress, window.lr_steps)
-        stopping = self.stop is not None and self.stop.requested(self.accelerator)
-        if stopping or (settings.checkpointing_steps and state.step % settings.checkpointing_steps == 0):
-            with self.clock.paused(), collective_timeout.phase("save"):
-                path = save_checkpoint(
-                    self.accelerator,
-                    settings.output_dir,
-                    state,
-                    self.signature,
-                    settings.save_total_limit,
-                    self.clock.total(),
-                )
-            collective_timeout.POSITION.last_checkpoint = str(path)
-            if stopping:
-                self.stop.exit(self.accelerator, path)
+        stopping = (self.stop is not None and self.stop.requested(self.accelerator)) or (
+            self.pending and self.stopping
+        )
+        due = self.pending or bool(settings.checkpointing_steps and state.step % settings.checkpointing_steps == 0)
+        self.pending = False
+        if window.ends_epoch and (stopping or due):
+            # After the epoch's evaluation (`log_evaluation`), so that a resume from it has nothing left to do.
+            self.pending, self.stopping = True, stopping
+        elif stopping or due:
+            self.save(stopping)
         return state.scheduler_steps >= self.num_update_steps
+
+    def save(self, stopping: bool) -> None:
+        """A checkpoint now (see `save_checkpoint`); after a stop signal, then the end of the process."""
+        with self.clock.paused(), collective_timeout.phase("save"):
+            path = save_checkpoint(
+                self.accelerator,
+                self.settings.output_dir,
+                self.state,
+                self.signature,
+                self.settings.save_total_limit,
+                self.clock.total(),
+            )
+        collective_timeout.POSITION.last_checkpoint = str(path)
+        if stopping:
+            self.stop.exit(self.accelerator, path)
+
+    def log_evaluation(self, metrics: dict[str, Any]) -> None:
+        """The epoch's evaluation on record (run_outputs.log_evaluation) and in the training state; then the
+        checkpoint (or the stop) that the epoch's last update deferred to this point."""
+        log_evaluation(self.accelerator, epoch=self.state.epoch, step=self.state.step, metrics=metrics)
+        self.state.eval_metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}
+        if self.pending:
+            self.pending = False
+            self.save(self.stopping)
 
     @contextlib.contextmanager
     def paused(self):
@@ -275,6 +298,8 @@ class RunTracker:
         with collective_timeout.phase("sample"):  # --generate_prompt, --merge_lora: model calls on every rank
             extras = after_save() if after_save else {}
         learning_rate = self.settings.scaled_learning_rate(self.state.effective_batch_size)
+        # The last evaluation on record wins over the recipe's copy: a run resumed after it has only the record.
+        metrics = {**metrics, **(self.state.eval_metrics or {})}
         collective_timeout.POSITION.phase = "save"
         results = write_results(
             self.accelerator,
