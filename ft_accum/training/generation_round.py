@@ -311,6 +311,7 @@ class RoundWindows:
                         plan=plan,
                         update=state.step,
                         last_checkpoint=state.last_checkpoint,
+                        count_tokens=lambda batch: batch["completion_mask"].sum(),  # the completions' tokens
                     )
                     window.round, window.rows = sampled, slice(u * plan.effective, (u + 1) * plan.effective)
                     window.epoch_samples = state.epoch_samples + plan.micro * len(layout.own[u])

@@ -216,6 +216,7 @@ def train_windows(accelerator, args, train_dataloader, state, *, scheduler, coun
         scheduler=scheduler,
         noise=NoiseScaleMeter(parameters, plan, unit) if args.measure_noise_scale else None,
         auto_micro_batch=args.auto_micro_batch,
+        tokens_are_items="token" in unit,  # target, assistant, labelled tokens: tokens_seen counts them
     )
 
 

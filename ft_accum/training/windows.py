@@ -93,10 +93,14 @@ def split_rows(batch: dict, micro: int) -> list[dict]:
 
 def count_tokens(batch) -> torch.Tensor | int:
     """The micro-batch's non-padding tokens, for the throughput columns: the ones of every attention mask
-    it holds (a preference pair's chosen and rejected masks both count); 0 without one."""
+    it holds (a preference pair's chosen and rejected masks both count), else every input id (packed
+    blocks have no padding); 0 for a batch of neither (images)."""
     if not isinstance(batch, Mapping):
         return 0
-    return sum((v.sum() for k, v in batch.items() if k.endswith("attention_mask")), start=0)
+    masks = [v for k, v in batch.items() if k.endswith("attention_mask")]
+    if masks:
+        return sum(mask.sum() for mask in masks)
+    return batch["input_ids"].numel() if "input_ids" in batch else 0
 
 
 class Window:
@@ -119,6 +123,7 @@ class Window:
         update: int = 0,
         last_checkpoint: str | None = None,
         ends_epoch: bool = False,
+        count_tokens: Callable[[Any], Any] | None = count_tokens,
     ):
         self.accelerator, self.plan, self.update, self.last_checkpoint = accelerator, plan, update, last_checkpoint
         self.ends_epoch = ends_epoch
@@ -127,6 +132,7 @@ class Window:
         self.lr_steps = 1  # LR-scheduler steps this update stands for (an adaptive schedule: more)
         self.noise = None  # a NoiseScaleMeter, when --measure_noise_scale
         self.on_out_of_memory = None  # the retry of --auto_micro_batch, when on: returns the smaller plan
+        self.count_tokens = count_tokens  # the throughput's tokens; None: the items are tokens (a token loss)
         self._set_micro_batches(micro_batches, real or [True] * len(micro_batches), count_items)
 
     def _set_micro_batches(self, micro_batches: list, real: list[bool], count_items) -> None:
@@ -151,7 +157,8 @@ class Window:
         """[items..., samples, tokens] of one micro-batch, float64 on the device."""
         items = torch.as_tensor(count_items(batch), dtype=torch.float64, device=self.accelerator.device).reshape(-1)
         rows = float(find_batch_size(batch) or 0)
-        tokens = torch.as_tensor(count_tokens(batch), dtype=torch.float64, device=items.device).reshape(1)
+        tokens = items[:1] if self.count_tokens is None else self.count_tokens(batch)
+        tokens = torch.as_tensor(tokens, dtype=torch.float64, device=items.device).reshape(1)
         return torch.cat([items, items.new_tensor([rows]), tokens])
 
     @property
@@ -266,7 +273,8 @@ class TrainWindows:
     `count_items(batch)` returns what the recipe's loss is a mean over in one micro-batch (a number
     or 0-d tensor; or a 1-D tensor whose first entry is that, the rest further totals the loss
     needs, `Window.extra_counts`). `scheduler` is the run's `AccumulationScheduler`, after its
-    `lr_scheduler(accelerator, optimizer)`; `noise` a `NoiseScaleMeter` or None.
+    `lr_scheduler(accelerator, optimizer)`; `noise` a `NoiseScaleMeter` or None. With `tokens_are_items`
+    (a loss that is a mean over tokens) the throughput's tokens are the items; else `count_tokens`'s.
     """
 
     def __init__(
@@ -280,8 +288,10 @@ class TrainWindows:
         scheduler,
         noise=None,
         auto_micro_batch: bool = False,
+        tokens_are_items: bool = False,
     ):
         self.accelerator, self.train_dataloader, self.state, self.plan = accelerator, train_dataloader, state, plan
+        self.count_tokens = None if tokens_are_items else count_tokens
         self.count_items, self.scheduler, self.noise = count_items, scheduler, noise
         self.loader_micro = plan.micro  # rows per batch of the dataloader; the retry splits them, the loader stays
         self.auto_micro_batch = auto_micro_batch
@@ -341,6 +351,7 @@ class TrainWindows:
             update=self.state.step,
             last_checkpoint=self.state.last_checkpoint,
             ends_epoch=ends_epoch,
+            count_tokens=self.count_tokens,
         )
         window.noise = self.noise
         if self.auto_micro_batch:
