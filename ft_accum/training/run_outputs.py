@@ -57,10 +57,11 @@ def check_accelerator(accelerator, loss_weighted_by: str = "samples") -> None:
       plugin on only for GPU groups, so an FSDP config runs DDP (MULTI_CPU): the engine the config
       named (ACCELERATE_USE_FSDP) is not the one that runs.
 
-    And DeepSpeed, where it runs, steps inside `accelerator.backward`, so the recipes' window scale,
-    applied after the last backward, comes too late: recipes whose loss is a mean over tokens
-    (`loss_weighted_by="tokens"`) are refused, sample-weighted ones are warned about the short
-    last window (benchmarks/deepspeed_cpu_probe.py).
+    And DeepSpeed, where it runs, steps inside `accelerator.backward`. The recipes now count each window
+    before its backward (training/windows.py), which is the form the probe measured exact under real
+    ZeRO-2 (benchmarks/deepspeed_cpu_probe.py: 1.0000004 of the full-batch gradient), but no recipe has
+    run under DeepSpeed with it (it does not install here): recipes whose loss is a mean over tokens
+    (`loss_weighted_by="tokens"`) stay refused, sample-weighted ones warned, until one has.
     """
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise ConfigError(
@@ -85,9 +86,9 @@ def check_accelerator(accelerator, loss_weighted_by: str = "samples") -> None:
             "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N (DDP over gloo)"
         )
     if accelerator.distributed_type.value == "DEEPSPEED":
-        # DeepSpeed steps inside accelerator.backward, so the window scale c·N·P/T the recipes apply after the last
-        # backward never reaches it: the update uses T/(c·N·P) times the true gradient (measured with real ZeRO-2 on
-        # 2 CPU processes: ×31.25 for a causal LM, ×1.0000004 with the count known before backward; deepspeed_cpu_probe.py).
+        # Before issue 54 the window scale came after the last backward, which DeepSpeed had already stepped on
+        # (×31.25 for a causal LM, measured with real ZeRO-2 on 2 CPU processes; ×1.0000004 with the count known
+        # before backward, the recipes' form now: deepspeed_cpu_probe.py). Refused until a recipe has run under it.
         if loss_weighted_by != "samples":
             raise ConfigError(
                 f"DeepSpeed cannot run this recipe exactly: its loss is a mean over {loss_weighted_by}, and DeepSpeed steps inside "
@@ -95,8 +96,8 @@ def check_accelerator(accelerator, loss_weighted_by: str = "samples") -> None:
                 f"{loss_weighted_by}-per-sample times too large. Use DDP (accelerate_configs/multi_gpu_ddp.yaml) or FSDP (fsdp.yaml)"
             )
         accelerator.print(
-            "warning: under DeepSpeed, full windows are exact but the epoch's short last window is not: DeepSpeed steps inside "
-            "accelerator.backward, before the recipe can rescale that window to its real sample count. DDP or FSDP are exact."
+            "warning: DeepSpeed has not run the recipes' counted windows here (each window's scale is set before its "
+            "backward, the form measured exact under ZeRO-2, but untested in a recipe); DDP and FSDP are tested exact."
         )
 
 
