@@ -29,10 +29,20 @@ def run_default(tree: Path, recipe: str, output_dir: Path, updates: int) -> None
         return
     env = os.environ | {"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "2"}
     command = [
-        "accelerate", "launch", "--config_file", str(tree / "accelerate_configs/cpu.yaml"),
-        str(tree / "recipes" / f"{recipe}.py"), "--config", str(tree / "recipes/configs" / f"{recipe}.yaml"),
-        "--max_train_steps", str(updates), "--output_dir", str(output_dir), "--overwrite_output_dir", "true",
-    ]  # fmt: skip
+        "accelerate",
+        "launch",
+        "--config_file",
+        str(tree / "accelerate_configs/cpu.yaml"),
+        str(tree / "recipes" / f"{recipe}.py"),
+        "--config",
+        str(tree / "recipes/configs" / f"{recipe}.yaml"),
+        "--max_train_steps",
+        str(updates),
+        "--output_dir",
+        str(output_dir),
+        "--overwrite_output_dir",
+        "true",
+    ]
     subprocess.run(command, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
 
 
