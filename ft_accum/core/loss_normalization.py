@@ -30,15 +30,16 @@ import torch
 from ft_accum.core.errors import ConfigError
 
 
-def window_loss_scale(window_items: float, backward_divisor: int, num_processes: int) -> float:
+def window_loss_scale(window_items, backward_divisor: int, num_processes: int):
     """s = N · P / T: what each micro-batch's summed loss is multiplied by before `accelerator.backward`.
 
     Args:
-        window_items: T, the items the loss is a mean over, in the whole window on all processes.
+        window_items: T, the items the loss is a mean over, in the whole window on all processes (a
+            number, or a 0-d tensor, which keeps the result on its device without a host read).
         backward_divisor: N, what `accelerator.backward` divides by (the window's micro-batches).
         num_processes: P, what DDP/FSDP average the gradient over.
     """
-    if window_items <= 0:
+    if isinstance(window_items, (int, float)) and window_items <= 0:
         raise ValueError(f"an accumulation window must hold at least one item, got {window_items}")
     return backward_divisor * num_processes / window_items
 

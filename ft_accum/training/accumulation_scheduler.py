@@ -103,10 +103,12 @@ class AccumulationScheduler:
         accelerator.print(f"update {state.step}: effective batch {plan.describe()}, peak lr {learning_rate:.3g}")
         return plan
 
-    def lr_steps(self, window_samples: float) -> int:
-        """The LR-scheduler steps an update of `window_samples` samples stands for (`scheduler_advance`); the
-        window about to run takes that many (see `lr_scheduler`)."""
-        steps = scheduler_advance(self.schedule, window_samples, self.start)
+    def lr_steps(self, window) -> int:
+        """The LR-scheduler steps the update `window` stands for (`scheduler_advance`: one, or under `adaptive`
+        its samples over the starting batch's, read from the window before it runs); it takes that many."""
+        if self.schedule is None or self.schedule.unit != "adaptive":
+            return 1
+        steps = scheduler_advance(self.schedule, float(window.counts[-2]), self.start)
         if self.stepped is not None:
             self.stepped.steps_per_call = steps
         return steps

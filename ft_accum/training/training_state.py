@@ -48,9 +48,10 @@ class TrainingState:
         self.step += 1
         self.scheduler_steps += window.lr_steps
         self.epoch_samples = window.epoch_samples
-        self.samples_seen += int(window.num_samples)
-        self.tokens_seen += int(window.num_tokens)
-        self.items_seen += window.num_items
+        summary = window.summary()
+        self.samples_seen += int(summary["samples"])
+        self.tokens_seen += int(summary["tokens"])
+        self.items_seen += summary["items"]
         self.skipped_updates += skipped
         self.consecutive_skipped = self.consecutive_skipped + 1 if skipped else 0
         check_skipped_updates(
@@ -62,13 +63,13 @@ class TrainingState:
         return {
             "step": self.step,
             "epoch": window.epoch_progress,
-            "loss": window.mean_loss,
+            "loss": window.summary()["loss"],
             "lr": learning_rate,
             "grad_norm": grad_norm,
             "samples_seen": self.samples_seen,
             "tokens_seen": self.tokens_seen,
-            "samples_per_second": window.num_samples / seconds,
-            "tokens_per_second": window.num_tokens / seconds,
+            "samples_per_second": window.summary()["samples"] / seconds,
+            "tokens_per_second": window.summary()["tokens"] / seconds,
             "skipped_updates": self.skipped_updates,
             "per_device_train_batch_size": window.plan.micro,
             "gradient_accumulation_steps": window.plan.accumulation,
@@ -238,7 +239,7 @@ class RunTracker:
         if window.noise is not None:
             self.noise = window.noise
             columns |= window.noise.at_sync(
-                self.accelerator, grad_norm=grad_norm, window_items=window.num_items, state=state
+                self.accelerator, grad_norm=grad_norm, window_items=window.summary()["items"], state=state
             )
         collective_timeout.POSITION.updates_done = state.step
         record = state.record(window, grad_norm, float(learning_rate), self.clock.lap(), **columns)

@@ -136,21 +136,19 @@ class Window:
         self._set_micro_batches(micro_batches, real or [True] * len(micro_batches), count_items)
 
     def _set_micro_batches(self, micro_batches: list, real: list[bool], count_items) -> None:
-        """Count every micro-batch; one all-reduce and one host read for the whole window."""
+        """Count every micro-batch and all-reduce the sums: on the device, no host read (`summary` reads them
+        once, with the loss, at the sync step)."""
         self.micro_batches, self.real, self.count_items = micro_batches, real, count_items
         counts = torch.stack(
             [self._counts(batch, count_items) * is_real for batch, is_real in zip(micro_batches, real)]
         )
-        totals = self.accelerator.reduce(counts.sum(0).to(self.accelerator.device), reduction="sum")
-        values = torch.cat([totals, counts[:, 0].to(totals.device)]).tolist()
-        self.counts, self.micro_items = values[: len(totals)], values[len(totals) :]
-        if self.num_items <= 0:
-            raise ConfigError(
-                f"update {self.update + 1} has nothing to learn from: its micro-batches count 0 items on every process "
-                "(every label masked, or empty rows); check the data's label/response columns"
-            )
+        self.counts = self.accelerator.reduce(counts.sum(0).to(self.accelerator.device), reduction="sum")
+        self.micro_items = counts[:, 0]  # this process's, for the noise scale
+        divisor = backward_divisor(self.accelerator, len(micro_batches))
+        # A float32 0-d tensor: the scale stays on the device, and does not promote an fp32 loss to fp64.
+        self._scale = window_loss_scale(self.counts[0], divisor, self.accelerator.num_processes).float()
         self.losses: list[torch.Tensor] = []
-        self._mean_loss = None
+        self._summary = None
         self._index = 0
 
     def _counts(self, batch, count_items) -> torch.Tensor:
@@ -162,22 +160,14 @@ class Window:
         return torch.cat([items, items.new_tensor([rows]), tokens])
 
     @property
-    def num_items(self) -> float:
-        """T: what the loss is a mean over, in the whole window on all processes."""
+    def num_items(self) -> torch.Tensor:
+        """T: what the loss is a mean over, in the whole window on all processes (a 0-d tensor on the device)."""
         return self.counts[0]
 
     @property
-    def extra_counts(self) -> list[float]:
+    def extra_counts(self) -> torch.Tensor:
         """The window's totals of the further counts `count_items` returned after the first (ORPO: chosen tokens)."""
         return self.counts[1:-2]
-
-    @property
-    def num_samples(self) -> float:
-        return self.counts[-2]
-
-    @property
-    def num_tokens(self) -> float:
-        return self.counts[-1]
 
     @property
     def is_repeat(self) -> bool:
@@ -185,12 +175,9 @@ class Window:
         return not self.real[self._index]
 
     @property
-    def scale(self) -> float:
+    def scale(self) -> torch.Tensor | float:
         """N·P/T for a micro-batch of real rows, 0 for one of Accelerate's repeats (see window_loss_scale)."""
-        if not self.real[self._index]:
-            return 0.0
-        divisor = backward_divisor(self.accelerator, len(self.micro_batches))
-        return window_loss_scale(self.num_items, divisor, self.accelerator.num_processes)
+        return self._scale if self.real[self._index] else 0.0
 
     def __iter__(self) -> Iterator:
         index = 0
@@ -209,7 +196,9 @@ class Window:
                 # The hooks saw ∇(loss_sum · scale / N): the micro-batch's mean gradient times items · scale / N.
                 divisor = backward_divisor(self.accelerator, len(self.micro_batches))
                 items = self.micro_items[index]
-                self.noise.after_micro_batch(self.accelerator, backward_scale=items * self.scale / divisor, size=items)
+                self.noise.after_micro_batch(
+                    self.accelerator, backward_scale=items * self._scale / divisor, size=items
+                )
             index += 1
 
     def add_loss(self, loss_sum: torch.Tensor) -> None:
@@ -218,17 +207,34 @@ class Window:
             loss_sum.detach().float() if self.real[self._index] else loss_sum.new_zeros((), dtype=torch.float32)
         )
 
+    def summary(self) -> dict[str, Any]:
+        """The window's numbers on the host, read once (one all-reduce of the losses, one host read for
+        everything): its mean loss Σ summed losses / T, its items, samples and tokens on all processes,
+        and this process's summed loss of each micro-batch (to name one that is not finite)."""
+        if self._summary is None:
+            device = self.accelerator.device
+            losses = torch.stack(self.losses).to(device) if self.losses else torch.zeros(0, device=device)
+            total = self.accelerator.reduce(losses.double().sum().reshape(1), reduction="sum")
+            values = torch.cat([total, self.counts, losses.double()]).tolist()
+            loss, counts, micro_losses = values[0], values[1 : 1 + len(self.counts)], values[1 + len(self.counts) :]
+            if counts[0] <= 0:
+                raise ConfigError(
+                    f"update {self.update + 1} has nothing to learn from: its micro-batches count 0 items on every "
+                    "process (every label masked, or empty rows); check the data's label/response columns"
+                )
+            self._summary = {
+                "loss": loss / counts[0],
+                "items": counts[0],
+                "samples": counts[-2],
+                "tokens": counts[-1],
+                "micro_batch_losses": micro_losses,
+            }
+        return self._summary
+
     @property
     def mean_loss(self) -> float:
-        """Σ summed losses / T over the window on all processes (one all-reduce, read once)."""
-        if self._mean_loss is None:
-            total = (
-                torch.stack(self.losses).double().sum()
-                if self.losses
-                else torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
-            )
-            self._mean_loss = self.accelerator.reduce(total, reduction="sum").item() / self.num_items
-        return self._mean_loss
+        """Σ summed losses / T over the window on all processes (`summary`)."""
+        return self.summary()["loss"]
 
     def check_finite_loss(self) -> None:
         """At the sync step, before `optimizer.step()`: stop in one line if the window's loss is NaN or
@@ -236,9 +242,10 @@ class Window:
         overflows the grad scaler skips and counts)."""
         if self.accelerator.mixed_precision == "fp16":
             return
+        summary = self.summary()
         check_finite_window(
-            self.mean_loss,
-            torch.stack(self.losses).tolist() if self.losses else [],
+            summary["loss"],
+            summary["micro_batch_losses"],
             self.update + 1,
             self.accelerator.process_index,
             self.last_checkpoint,
@@ -323,7 +330,7 @@ class TrainWindows:
             after = state.epoch_samples + size * self.loader_micro
             window.epoch_samples = after
             window.epoch_progress = state.epoch + after / (self.loader_micro * len(loader))
-            window.lr_steps = self.scheduler.lr_steps(window.num_samples)
+            window.lr_steps = self.scheduler.lr_steps(window)
             window.ends_epoch |= state.scheduler_steps + window.lr_steps >= self.scheduler.num_update_steps
             yield window
         for _ in stream:  # run the loader to its end, so that Accelerate ends its epoch
