@@ -333,8 +333,9 @@ class TrainWindows:
             window.lr_steps = self.scheduler.lr_steps(window)
             window.ends_epoch |= state.scheduler_steps + window.lr_steps >= self.scheduler.num_update_steps
             yield window
-        for _ in stream:  # run the loader to its end, so that Accelerate ends its epoch
-            pass
+        if left == 0:  # one more step ends the loader's iteration, so that Accelerate ends its epoch
+            for _ in stream:
+                pass
 
     def _real_part(self, index: int, batch) -> tuple[Any, bool]:
         """(the batch without Accelerate's repeated rows, whether any real row is left); an all-repeat batch whole."""
