@@ -111,7 +111,9 @@ def stuck_rank_setup(tmp_path_factory):
 def test_a_rank_that_skips_a_collective_stops_the_launch_in_one_line_and_the_run_resumes(stuck_rank_setup):
     """Process 1 skips the first collective of the evaluation after update 6 (41 rows at 8 per update:
     6 updates an epoch, checkpoints every 2). Process 0 waits in it for --ddp_timeout, then the
-    launch stops with the one-line reason; nothing is left running; the printed resume completes."""
+    launch stops with the one-line reason; nothing is left running; the printed resume completes.
+    The checkpoint due at update 6, the epoch's last, waits for the epoch's evaluation (so that a resume
+    from it has none left to redo): the stuck evaluation leaves update 4's as the last complete one."""
     root, model, data = stuck_rank_setup
     out, timeout = root / "out", 10
     args = tiny_args(model, data, out, per_device_train_batch_size=2, effective_batch_size=8, num_train_epochs=2,
@@ -129,7 +131,7 @@ def test_a_rank_that_skips_a_collective_stops_the_launch_in_one_line_and_the_run
     reason = errors[0]
     assert "a process stopped joining collective operations (after update 6, in eval)" in reason, reason
     assert f"waited {timeout} s (--ddp_timeout)" in reason, reason
-    checkpoint = out / "checkpoints" / "step_000006"
+    checkpoint = out / "checkpoints" / "step_000004"
     assert f"the last complete checkpoint is {checkpoint}" in reason, reason
     assert (checkpoint / "training_state.json").is_file()
     assert not any(str(out) in " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))

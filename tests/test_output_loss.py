@@ -223,7 +223,7 @@ def test_the_chunked_step_keeps_far_fewer_bytes_alive_than_the_logits_path():
 def unchunked_token_log_probs(logits, token_ids):
     """The form token_log_probs replaces: every position's fp32 log-softmax at once."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1).detach()
+    entropy = -(log_probs.exp() * log_probs).sum(-1).detach()[:, : token_ids.shape[1]]  # at the tokens' positions
     return log_probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1), entropy
 
 

@@ -159,12 +159,14 @@ class TrainingArguments:
     )
 
     def __post_init__(self):
-        # --gradient_accumulation_steps and --effective_batch_size are checked with the split they make, once
-        # the process count is known (batch_plan: run_setup.build_accelerator calls it first).
+        # Sizes are ≥ 1 here; how --gradient_accumulation_steps or --effective_batch_size split (and that only one
+        # is given) is checked with the split itself, once the process count is known (BatchPlan.from_settings).
         require_at_least(
             self,
             1,
             "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "effective_batch_size",
             "per_device_eval_batch_size",
             "num_train_epochs",
             "max_train_steps",
