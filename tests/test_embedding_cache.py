@@ -11,46 +11,20 @@ bi-encoder (mean pooling, normalised), pairs of unequal lengths, and the losses 
 
 import pytest
 import torch
-from transformers import BertConfig, BertModel
 
 from ft_accum.core.contrastive_loss import contrastive_loss_sum
+from ft_accum.testing.generated_data import make_token_pairs
+from ft_accum.testing.tiny_models import mean_pooled, tiny_bi_encoder
 from ft_accum.training import embedding_cache
 from ft_accum.training.embedding_cache import EmbeddingCache
 
-VOCAB, DIM = 50, 32
 
-
-def bi_encoder(dropout: float) -> BertModel:
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, max_position_embeddings=32,
-    )  # fmt: skip
-    return BertModel(config).train()
-
-
-def encode(model, ids, mask):
-    """Mean pooling over the real tokens, then unit length: all-MiniLM-L6-v2's embedding."""
-    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-    pooled = (hidden * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
-    return torch.nn.functional.normalize(pooled, dim=-1)
-
-
-def texts(n: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """n texts of 3–12 tokens, padded to the longest."""
-    lengths = torch.randint(3, 13, (n,), generator=generator)
-    ids = torch.randint(1, VOCAB, (n, int(lengths.max())), generator=generator)
-    mask = (torch.arange(ids.shape[1]) < lengths.unsqueeze(1)).long()
-    return ids * mask, mask
+def bi_encoder(dropout: float):
+    return tiny_bi_encoder(dropout)
 
 
 def make_pairs(n: int, negatives: bool) -> dict:
-    generator = torch.Generator().manual_seed(1)
-    columns = ("anchor", "positive", "negative") if negatives else ("anchor", "positive")
-    pairs = {}
-    for column in columns:
-        pairs[f"{column}_ids"], pairs[f"{column}_mask"] = texts(n, generator)
-    return pairs
+    return make_token_pairs(n, negatives)
 
 
 def split(pairs: dict, sizes: list[int]) -> list[dict]:
@@ -64,7 +38,7 @@ def split(pairs: dict, sizes: list[int]) -> list[dict]:
 def embed_with(model):
     def embed(batch):
         columns = [c for c in ("anchor", "positive", "negative") if f"{c}_ids" in batch]
-        return tuple(encode(model, batch[f"{c}_ids"], batch[f"{c}_mask"]) for c in columns)
+        return tuple(mean_pooled(model, batch[f"{c}_ids"], batch[f"{c}_mask"]) for c in columns)
 
     return embed
 
@@ -163,3 +137,66 @@ def test_one_pair_without_a_negative_is_one_line():
 
     with pytest.raises(ConfigError, match="no negative"):
         contrastive_loss_sum(torch.ones(1, 4), torch.ones(1, 4))
+
+
+DDP_SCRIPT = """
+import json, sys
+import torch
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
+from ft_accum.core.batch_arithmetic import BatchPlan
+from ft_accum.core.contrastive_loss import contrastive_loss_sum
+from ft_accum.testing.generated_data import make_token_pairs
+from ft_accum.testing.tiny_models import mean_pooled, tiny_bi_encoder
+from ft_accum.training.embedding_cache import EmbeddingCache
+from ft_accum.training.windows import Window
+
+pairs_in_update, shares, out = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+plugin = GradientAccumulationPlugin(num_steps=1, sync_with_dataloader=False)  # as run_setup.build_accelerator
+accelerator = Accelerator(gradient_accumulation_plugin=plugin)
+assert accelerator.num_processes == 2, accelerator.num_processes
+pairs = make_token_pairs(pairs_in_update, negatives=True)
+loss = lambda *columns: contrastive_loss_sum(*columns, scale=20.0)
+
+def embed_with(model):
+    return lambda b: tuple(mean_pooled(model, b[f"{c}_ids"], b[f"{c}_mask"]) for c in ("anchor", "positive", "negative"))
+
+# The reference: every pair in one forward, one backward of the mean loss (dropout off).
+reference = tiny_bi_encoder(dropout=0.0)
+(loss(*embed_with(reference)(pairs)) / pairs_in_update).backward()
+expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
+
+model = accelerator.prepare(tiny_bi_encoder(dropout=0.0))
+start = sum(sum(share) for share in shares[: accelerator.process_index])
+batches = []
+for size in shares[accelerator.process_index]:  # this process's micro-batches, each padded to its own rows
+    batches.append({k: v[start : start + size] for k, v in pairs.items()})
+    start += size
+window = Window(accelerator, batches, count_items=lambda b: len(b["anchor_ids"]), plan=BatchPlan(8, 2, 2))
+cache = EmbeddingCache(accelerator, embed_with(model), loss)
+cache.first_pass(window.micro_batches, window.real)
+for batch in window:
+    with accelerator.accumulate(model):
+        accelerator.backward(cache.replay(batch) * window.scale)
+ours = torch.cat([p.grad.flatten() for p in model.parameters()])
+if accelerator.is_main_process:
+    json.dump({"relative_error": float((ours - expected).norm() / expected.norm())}, open(out, "w"))
+"""
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("shares", [[[8, 8], [8, 8]], [[8, 8], [8, 4]]], ids=["2x(8x2)", "uneven: (8+8) and (8+4)"])
+def test_two_ddp_processes_see_every_pair_of_the_update(tmp_path, shares):
+    """Each process embeds its own micro-batches; the update's loss is computed over every process's
+    pairs (gathered, padded where the shares differ) and DDP averages the replayed gradients: the same
+    as one forward of all of them, with hard negatives."""
+    import json
+
+    from conftest import launch
+
+    script, out = tmp_path / "ddp_cache.py", tmp_path / "result.json"
+    script.write_text(DDP_SCRIPT)
+    total = sum(map(sum, shares))
+    launch("", [], num_processes=2, script=[str(script), str(total), json.dumps(shares), str(out)])
+    # fp32 sums in another order, across two processes.
+    assert json.loads(out.read_text())["relative_error"] <= 1e-5

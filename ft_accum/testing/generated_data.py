@@ -127,3 +127,18 @@ def varied_reward(prompts, completions, **columns) -> list[float]:
     completion's text only (its length and letters), so equal completions score equally."""
     texts = [c if isinstance(c, str) else "".join(m["content"] for m in c) for c in completions]
     return [(len(t) % 7) / 6 + 0.5 * sum(ch in "aeiou" for ch in t) / max(len(t), 1) for t in texts]
+
+
+def make_token_pairs(n: int, negatives: bool = False, vocab_size: int = 50, seed: int = 1) -> dict:
+    """n (anchor, positive[, negative]) texts as token ids of 3–12 tokens, each column padded to its
+    longest: `{column}_ids`, `{column}_mask`."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    pairs = {}
+    for column in ("anchor", "positive", "negative") if negatives else ("anchor", "positive"):
+        lengths = torch.randint(3, 13, (n,), generator=generator)
+        ids = torch.randint(1, vocab_size, (n, int(lengths.max())), generator=generator)
+        mask = (torch.arange(ids.shape[1]) < lengths.unsqueeze(1)).long()
+        pairs[f"{column}_ids"], pairs[f"{column}_mask"] = ids * mask, mask
+    return pairs

@@ -227,3 +227,28 @@ def make_sentencepiece_llama(path: Path, vocab_size: int = 1200) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def tiny_bi_encoder(dropout: float, vocab_size: int = 50, hidden_size: int = 32):
+    """A 2-layer BERT encoder (no head) from a config, seeded: the contrastive tests' bi-encoder."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden_size,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        max_position_embeddings=32,
+    )
+    return BertModel(config, add_pooling_layer=False).train()  # the pooler is unused: DDP would wait for its gradient
+
+
+def mean_pooled(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean pooling over the real tokens, then unit length: all-MiniLM-L6-v2's sentence embedding."""
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    pooled = (hidden * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
+    return torch.nn.functional.normalize(pooled, dim=-1)
