@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ft_accum.testing import relative_error
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -53,16 +55,6 @@ def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def relative_difference(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
-    if ours.keys() != theirs.keys():
-        raise SystemExit(
-            f"error: the final/ folders hold different tensors: {sorted(ours.keys() ^ theirs.keys())[:5]}"
-        )
-    diff = sum(float((ours[k] - theirs[k]).square().sum()) for k in ours)
-    norm = sum(float(theirs[k].square().sum()) for k in ours)
-    return (diff / norm) ** 0.5
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", required=True, help="the commit to compare with (e.g. af29a05)")
@@ -83,7 +75,7 @@ def main(argv=None) -> None:
         if args.only != "theirs":
             run_default(ROOT, recipe, args.out / "ours" / recipe, args.updates)
         if args.only is None:
-            results[recipe] = relative_difference(
+            results[recipe] = relative_error(
                 final_weights(args.out / "ours" / recipe), final_weights(args.out / "theirs" / recipe)
             )
             print(f"{recipe:26s} {results[recipe]:.2e}", flush=True)

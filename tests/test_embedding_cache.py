@@ -19,14 +19,6 @@ from ft_accum.training import embedding_cache
 from ft_accum.training.embedding_cache import EmbeddingCache
 
 
-def bi_encoder(dropout: float):
-    return tiny_bi_encoder(dropout)
-
-
-def make_pairs(n: int, negatives: bool) -> dict:
-    return make_token_pairs(n, negatives)
-
-
 def split(pairs: dict, sizes: list[int]) -> list[dict]:
     batches, start = [], 0
     for size in sizes:
@@ -95,8 +87,8 @@ SPLITS = {"32x1": [32], "8x4": [8] * 4, "short_last_window": [8, 8, 8, 4]}
 @pytest.mark.parametrize("loss", LOSSES, ids=list(LOSSES))
 @pytest.mark.parametrize("sizes", SPLITS.values(), ids=list(SPLITS))
 def test_without_dropout_the_cache_equals_one_forward_of_the_whole_update(sizes, loss, negatives):
-    model = bi_encoder(dropout=0.0)
-    pairs = make_pairs(sum(sizes), negatives)
+    model = tiny_bi_encoder(dropout=0.0)
+    pairs = make_token_pairs(sum(sizes), negatives)
     full = reference_gradient(model, [pairs], LOSSES[loss])
     ours = cached_gradient(model, split(pairs, sizes), LOSSES[loss])
     # fp32, the same sums in another order (padding to each micro-batch's own length changes nothing).
@@ -106,8 +98,8 @@ def test_without_dropout_the_cache_equals_one_forward_of_the_whole_update(sizes,
 @pytest.mark.parametrize("negatives", [False, True], ids=["pairs", "hard_negatives"])
 @pytest.mark.parametrize("sizes", [SPLITS["8x4"], SPLITS["short_last_window"]], ids=["8x4", "short_last_window"])
 def test_with_dropout_the_replay_draws_the_same_masks(sizes, negatives, monkeypatch):
-    model = bi_encoder(dropout=0.1)
-    batches = split(make_pairs(sum(sizes), negatives), sizes)
+    model = tiny_bi_encoder(dropout=0.1)
+    batches = split(make_token_pairs(sum(sizes), negatives), sizes)
     reference = reference_gradient(model, batches, LOSSES["info_nce"])
     assert relative_error(cached_gradient(model, batches, LOSSES["info_nce"]), reference) <= 1e-5
     # Teeth: ordinary accumulation is not the update's loss (measured ~0.5 of the gradient here) ...
@@ -119,8 +111,8 @@ def test_with_dropout_the_replay_draws_the_same_masks(sizes, negatives, monkeypa
 
 def test_rows_accelerate_repeated_take_no_part():
     """A micro-batch of repeats (training/windows.py: real=False) runs, but adds no anchor, no negative and no gradient."""
-    model = bi_encoder(dropout=0.0)
-    pairs = make_pairs(12, negatives=False)
+    model = tiny_bi_encoder(dropout=0.0)
+    pairs = make_token_pairs(12, negatives=False)
     batches = split(pairs, [8, 4])
     full = reference_gradient(model, batches, LOSSES["info_nce"])
     model.zero_grad()
@@ -132,11 +124,15 @@ def test_rows_accelerate_repeated_take_no_part():
     assert relative_error(flat_grad(model), full) <= 1e-5
 
 
-def test_one_pair_without_a_negative_is_one_line():
+def test_one_pair_without_a_negative_and_a_scale_of_zero_are_one_line_each():
+    from ft_accum.core.contrastive_loss import check_scale
     from ft_accum.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="no negative"):
         contrastive_loss_sum(torch.ones(1, 4), torch.ones(1, 4))
+    with pytest.raises(ConfigError, match="--scale must be > 0"):
+        check_scale(0.0)
+    check_scale(20.0)
 
 
 DDP_SCRIPT = """

@@ -31,11 +31,8 @@ class FixedScheduler:
     def at_window_start(self, accelerator, plan, state, *, noise=None):
         return plan
 
-    def lr_steps(self, window_samples):
+    def lr_steps(self, window):
         return 1
-
-    def catch_up_lr(self, lr_steps):
-        pass
 
 
 def test_each_window_is_counted_first_and_syncs_once_at_its_last_micro_batch():

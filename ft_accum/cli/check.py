@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -52,9 +51,9 @@ class Result:
 
 
 def load_recipe(path: Path):
-    spec = importlib.util.spec_from_file_location(f"checked_recipe_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from ft_accum.training.arguments import load_recipe_module
+
+    module = load_recipe_module(path)
     if not callable(getattr(module, "main", None)):
         raise SystemExit(f"error: {path} has no main(argv) function; see docs/writing_a_recipe.md")
     return module

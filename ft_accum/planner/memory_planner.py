@@ -314,14 +314,18 @@ def recipe_step(task: str, recipe: str | Path | None, loss: str):
         return lambda model, batch, reference: module.training_step(task_args, None, model, None, batch)[0]
     if "output_loss" not in module.training_step.__code__.co_varnames:
         return lambda model, batch, reference: module.training_step(model, batch)
+    return lambda model, batch, reference: module.training_step(
+        model, batch, traced_output_loss(model, loss, shift=task != "seq2seq")
+    )
+
+
+def traced_output_loss(model, loss: str, shift: bool = True):
+    """The recipes' `OutputLoss` for the trace: chunked ("chunked") or from the full logits ("logits"). Fake
+    tensors have no values: nothing to check against the logits, and no target spans to trim the per-row
+    losses to (whole rows: what a row with targets to its end costs, an upper bound)."""
     from ft_accum.models.output_loss import OutputLoss
 
-    # Fake tensors have no values: nothing to check against the logits, and no target spans to trim
-    # the per-row losses to (whole rows: what a row with targets to its end costs, an upper bound).
-    settings = {"enabled": loss == "chunked", "check_logits": False, "trim_to_targets": False}
-    return lambda model, batch, reference: module.training_step(
-        model, batch, OutputLoss(model, shift=task != "seq2seq", **settings)
-    )
+    return OutputLoss(model, shift=shift, enabled=loss == "chunked", check_logits=False, trim_to_targets=False)
 
 
 def preference_step(model, batch: dict, loss: str, reference=None) -> torch.Tensor:
@@ -329,10 +333,7 @@ def preference_step(model, batch: dict, loss: str, reference=None) -> torch.Tens
     DPO's `reference` ("adapters_off": the same model with its LoRA adapters off, or a frozen copy) then
     runs a forward without grad while the policy's activations wait for the backward, as in
     recipes/preference_tuning.py."""
-    from ft_accum.models.output_loss import OutputLoss
-
-    settings = {"enabled": loss == "chunked", "check_logits": False, "trim_to_targets": False}
-    loss_fn = OutputLoss(model, shift=True, **settings)
+    loss_fn = traced_output_loss(model, loss)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     loss_sum, _ = loss_fn(model, batch["labels"], **inputs)
     if reference is not None:
@@ -341,7 +342,7 @@ def preference_step(model, batch: dict, loss: str, reference=None) -> torch.Tens
                 with model.disable_adapter():
                     loss_fn.per_row(model, batch["labels"], **inputs)
             else:
-                OutputLoss(reference, shift=True, **settings).per_row(reference, batch["labels"], **inputs)
+                traced_output_loss(reference, loss).per_row(reference, batch["labels"], **inputs)
     return loss_sum
 
 

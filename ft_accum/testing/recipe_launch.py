@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ft_accum.training.arguments import load_recipe_module
 from ft_accum.training.run_setup import reset_accelerate_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,10 +55,7 @@ def tiny_args(model_dir: Path, data: dict[str, Path], output_dir: Path, **overri
 
 def load_recipe(name: str):
     """Import recipes/<name>.py as a module (recipes/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", RECIPES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe_module(RECIPES / f"{name}.py")
 
 
 def run_in_process(name: str, args: list[str]) -> dict:

@@ -291,7 +291,6 @@ class RoundWindows:
         self.accelerator, self.state, self.plan, self.layout = accelerator, state, plan, layout
         self.scheduler, self.num_prompts, self.seed = scheduler, num_prompts, seed
         self.sample, self.count_items = sample, count_items
-        self.noise = None
 
     def __iter__(self) -> Iterator[Window]:
         state, layout, plan = self.state, self.layout, self.plan
@@ -311,11 +310,12 @@ class RoundWindows:
                         plan=plan,
                         update=state.step,
                         last_checkpoint=state.last_checkpoint,
+                        epoch=state.epoch,
+                        epoch_samples=state.epoch_samples + plan.micro * len(layout.own[u]),
+                        epoch_size=plan.micro * batches_per_epoch,
                         count_tokens=lambda batch: batch["completion_mask"].sum(),  # the completions' tokens
                     )
                     window.round, window.rows = sampled, slice(u * plan.effective, (u + 1) * plan.effective)
-                    window.epoch_samples = state.epoch_samples + plan.micro * len(layout.own[u])
-                    window.epoch_progress = state.epoch + window.epoch_samples / (plan.micro * batches_per_epoch)
                     last_of_epoch = round_index == layout.rounds_per_epoch - 1 and update == layout.passes - 1
                     window.ends_epoch = last_of_epoch or state.scheduler_steps + 1 >= self.scheduler.num_update_steps
                     yield window

@@ -227,11 +227,11 @@ class RunTracker:
         )
         register_progress_bar(self.progress)
 
-    def end_update(self, window, *, grad_norm, learning_rate: float, **columns: Any) -> bool:
+    def end_update(self, window, *, grad_norm, learning_rate: float, **columns: Any) -> None:
         """After `optimizer.step()`: count the update (a `training.windows.Window`), log its record
         (`grad_norm` before clipping, the `learning_rate` it leaves; `columns` are extra metrics.jsonl
         columns, the noise scale's added when it is measured), checkpoint when due or when a signal asks
-        to stop (which then ends the process). True after the run's last update."""
+        to stop (which then ends the process). The windows end the run themselves after its last update."""
         state, settings = self.state, self.settings
         grad_norm = float(grad_norm)
         skipped = self.accelerator.optimizer_step_was_skipped
@@ -254,7 +254,6 @@ class RunTracker:
             self.pending, self.stopping = True, stopping
         elif stopping or due:
             self.save(stopping)
-        return state.scheduler_steps >= self.num_update_steps
 
     def save(self, stopping: bool) -> None:
         """A checkpoint now (see `save_checkpoint`); after a stop signal, then the end of the process."""

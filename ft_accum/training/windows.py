@@ -123,12 +123,15 @@ class Window:
         update: int = 0,
         last_checkpoint: str | None = None,
         ends_epoch: bool = False,
+        epoch: int = 0,
+        epoch_samples: int = 0,
+        epoch_size: int = 0,
         count_tokens: Callable[[Any], Any] | None = count_tokens,
     ):
         self.accelerator, self.plan, self.update, self.last_checkpoint = accelerator, plan, update, last_checkpoint
         self.ends_epoch = ends_epoch
-        self.epoch_samples = 0  # this process's samples of the epoch consumed once this window is done (TrainWindows)
-        self.epoch_progress = 0.0  # the epoch, with its fraction, once this window is done
+        # Where the epoch stands once this window is done: this process's samples of `epoch` consumed, of `epoch_size`.
+        self.epoch, self.epoch_samples, self.epoch_size = epoch, epoch_samples, epoch_size
         self.lr_steps = 1  # LR-scheduler steps this update stands for (an adaptive schedule: more)
         self.noise = None  # a NoiseScaleMeter, when --measure_noise_scale
         self.on_out_of_memory = None  # the retry of --auto_micro_batch, when on: returns the smaller plan
@@ -168,6 +171,11 @@ class Window:
     def extra_counts(self) -> torch.Tensor:
         """The window's totals of the further counts `count_items` returned after the first (ORPO: chosen tokens)."""
         return self.counts[1:-2]
+
+    @property
+    def epoch_progress(self) -> float:
+        """The epoch, with its fraction, once this window is done (metrics.jsonl's `epoch`)."""
+        return self.epoch + self.epoch_samples / self.epoch_size if self.epoch_size else float(self.epoch)
 
     @property
     def is_repeat(self) -> bool:
@@ -230,11 +238,6 @@ class Window:
                 "micro_batch_losses": micro_losses,
             }
         return self._summary
-
-    @property
-    def mean_loss(self) -> float:
-        """Σ summed losses / T over the window on all processes (`summary`)."""
-        return self.summary()["loss"]
 
     def check_finite_loss(self) -> None:
         """At the sync step, before `optimizer.step()`: stop in one line if the window's loss is NaN or
@@ -326,10 +329,9 @@ class TrainWindows:
             size = min(self.plan.accumulation * self.plan.micro // self.loader_micro, left)
             fetched = [self._real_part(index, batch) for index, batch in (next(stream) for _ in range(size))]
             left -= size
-            window = self._window(fetched, ends_epoch=left == 0)
-            after = state.epoch_samples + size * self.loader_micro
-            window.epoch_samples = after
-            window.epoch_progress = state.epoch + after / (self.loader_micro * len(loader))
+            window = self._window(
+                fetched, ends_epoch=left == 0, epoch_samples=state.epoch_samples + size * self.loader_micro
+            )
             window.lr_steps = self.scheduler.lr_steps(window)
             window.ends_epoch |= state.scheduler_steps + window.lr_steps >= self.scheduler.num_update_steps
             yield window
@@ -344,7 +346,7 @@ class TrainWindows:
         real = real_rows(dataset_rows, index, accelerator.num_processes, accelerator.process_index, self.loader_micro)
         return (batch, False) if real == 0 else (take_rows(batch, real), True)
 
-    def _window(self, fetched: list[tuple[Any, bool]], ends_epoch: bool) -> Window:
+    def _window(self, fetched: list[tuple[Any, bool]], ends_epoch: bool, epoch_samples: int) -> Window:
         micro_batches, real = [], []
         for batch, is_real in fetched:
             pieces = split_rows(batch, self.plan.micro) if self.plan.micro < self.loader_micro else [batch]
@@ -359,6 +361,9 @@ class TrainWindows:
             update=self.state.step,
             last_checkpoint=self.state.last_checkpoint,
             ends_epoch=ends_epoch,
+            epoch=self.state.epoch,
+            epoch_samples=epoch_samples,
+            epoch_size=self.loader_micro * len(self.train_dataloader),
             count_tokens=self.count_tokens,
         )
         window.noise = self.noise
