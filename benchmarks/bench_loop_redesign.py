@@ -13,41 +13,23 @@ Results: benchmarks/results/loop_redesign.json.
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from ft_accum.testing import load_script
-from ft_accum.testing.benchmarking import machine_info, steady_rate
+from ft_accum.testing import load_script, read_metrics
+from ft_accum.testing.benchmarking import launch_in_tree, machine_info, steady_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_recipe_in(tree: Path, recipe: str, args: list[str]) -> list[dict]:
     """One launch of `tree`'s recipe with `tree`'s ft_accum; its metrics.jsonl records."""
-    env = os.environ | {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     with tempfile.TemporaryDirectory() as out:
-        command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(tree / "accelerate_configs/cpu.yaml"),
-            str(tree / "recipes" / f"{recipe}.py"),
-            "--config=none",
-            *args,
-            "--output_dir",
-            out,
-            "--report_to",
-            "none",
-        ]
-        proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{tree.name} {recipe} failed:\n{proc.stderr[-3000:]}")
-        return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        launch_in_tree(tree, recipe, ["--config=none", *args], out)
+        return read_metrics(Path(out))
 
 
 def main() -> None:

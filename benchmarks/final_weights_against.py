@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-
-from ft_accum.testing import relative_error
+from ft_accum.testing import final_weights, relative_error
+from ft_accum.testing.benchmarking import launch_in_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,30 +26,8 @@ def run_default(tree: Path, recipe: str, output_dir: Path, updates: int) -> None
     """The recipe's docstring command (its config on cpu.yaml), cut to `updates` updates."""
     if (output_dir / "final").is_dir():
         return
-    env = os.environ | {"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "2"}
-    command = [
-        "accelerate",
-        "launch",
-        "--config_file",
-        str(tree / "accelerate_configs/cpu.yaml"),
-        str(tree / "recipes" / f"{recipe}.py"),
-        "--config",
-        str(tree / "recipes/configs" / f"{recipe}.yaml"),
-        "--max_train_steps",
-        str(updates),
-        "--output_dir",
-        str(output_dir),
-        "--overwrite_output_dir",
-        "true",
-    ]
-    subprocess.run(command, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
-
-
-def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted((output_dir / "final").glob("*.safetensors")):
-        tensors |= {f"{path.name}:{k}": v.double() for k, v in load_file(path).items()}
-    return tensors
+    config = ["--config", str(tree / "recipes/configs" / f"{recipe}.yaml"), "--max_train_steps", str(updates)]
+    launch_in_tree(tree, recipe, [*config, "--overwrite_output_dir", "true"], output_dir)
 
 
 def main(argv=None) -> None:

@@ -203,3 +203,32 @@ def machine_info() -> dict:
         "transformers": transformers.__version__,
         "accelerate": accelerate.__version__,
     }
+
+
+def launch_in_tree(tree, recipe: str, args: list[str], output_dir) -> None:
+    """`accelerate launch` of another checkout's recipes/<recipe>.py on its accelerate_configs/cpu.yaml,
+    with that checkout's `ft_accum` first on PYTHONPATH (how the benchmarks compare against a commit);
+    its stderr's end in the error if it fails."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tree = Path(tree)
+    env = os.environ | {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(tree / "accelerate_configs/cpu.yaml"),
+        str(tree / "recipes" / f"{recipe}.py"),
+        *args,
+        "--output_dir",
+        str(output_dir),
+        "--report_to",
+        "none",
+    ]
+    proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tree.name} {recipe} failed:\n{proc.stderr[-3000:]}")
