@@ -12,9 +12,10 @@ bi-encoder (mean pooling, normalised), pairs of unequal lengths, and the losses 
 import pytest
 import torch
 
-from ft_accum.core.contrastive_loss import contrastive_loss_sum
+from ft_accum.core.contrastive_loss import contrastive_losses
 from ft_accum.testing.generated_data import make_token_pairs
-from ft_accum.testing.tiny_models import mean_pooled, tiny_bi_encoder
+from ft_accum.models.sentence_embedding import sentence_embeddings
+from ft_accum.testing.tiny_models import tiny_bi_encoder
 from ft_accum.training import embedding_cache
 from ft_accum.training.embedding_cache import EmbeddingCache
 
@@ -29,8 +30,10 @@ def split(pairs: dict, sizes: list[int]) -> list[dict]:
 
 def embed_with(model):
     def embed(batch):
-        columns = [c for c in ("anchor", "positive", "negative") if f"{c}_ids" in batch]
-        return tuple(mean_pooled(model, batch[f"{c}_ids"], batch[f"{c}_mask"]) for c in columns)
+        columns = [c for c in ("anchor", "positive", "negative") if f"{c}_input_ids" in batch]
+        return tuple(
+            sentence_embeddings(model, batch[f"{c}_input_ids"], batch[f"{c}_attention_mask"]) for c in columns
+        )
 
     return embed
 
@@ -43,43 +46,49 @@ def relative_error(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def cached_gradient(model, batches, loss_sum, seed=3):
-    """GradCache: the first pass, then each micro-batch replayed and backpropagated ÷ the update's anchors."""
+def cached_gradient(model, batches, losses, seed=3, real=None):
+    """GradCache: the first pass, then each micro-batch replayed and backpropagated ÷ the update's anchors.
+    Returns (the gradient, the logged summed loss of each micro-batch)."""
     model.zero_grad()
     torch.manual_seed(seed)
-    cache = EmbeddingCache(None, embed_with(model), loss_sum)
-    cache.first_pass(batches)
-    anchors = sum(len(b["anchor_ids"]) for b in batches)
+    cache = EmbeddingCache(None, embed_with(model), losses)
+    cache.first_pass(batches, real)
+    anchors = sum(len(b["anchor_input_ids"]) for b, r in zip(batches, real or [True] * len(batches)) if r)
+    logged = []
     for batch in batches:
-        (cache.replay(batch) / anchors).backward()
-    return flat_grad(model)
+        loss_sum, surrogate = cache.replay(batch)
+        (surrogate / max(anchors, 1)).backward()  # a window of repeats only: window.scale is 0 there
+        logged.append(float(loss_sum))
+    return flat_grad(model), logged
 
 
-def reference_gradient(model, batches, loss_sum, seed=3):
+def reference_gradient(model, batches, losses, seed=3):
     """The update's loss over every pair, each micro-batch embedded with a graph (its own dropout masks,
-    drawn in the same order as GradCache's first pass), one backward."""
+    drawn in the same order as GradCache's first pass), one backward. Returns (gradient, summed loss)."""
     model.zero_grad()
     torch.manual_seed(seed)
     embed = embed_with(model)
     columns = list(zip(*(embed(b) for b in batches)))
-    anchors = sum(len(b["anchor_ids"]) for b in batches)
-    (loss_sum(*(torch.cat(c) for c in columns)) / anchors).backward()
-    return flat_grad(model)
+    anchors = sum(len(b["anchor_input_ids"]) for b in batches)
+    loss_sum = losses(*(torch.cat(c) for c in columns)).sum()
+    (loss_sum / anchors).backward()
+    return flat_grad(model), float(loss_sum.detach())
 
 
-def naive_gradient(model, batches, loss_sum):
+def naive_gradient(model, batches, losses):
     """Ordinary accumulation: each micro-batch's own in-batch loss, its mean ÷ the micro-batches."""
     model.zero_grad()
     embed = embed_with(model)
     for batch in batches:
-        (loss_sum(*embed(batch)) / len(batch["anchor_ids"]) / len(batches)).backward()
+        (losses(*embed(batch)).mean() / len(batches)).backward()
     return flat_grad(model)
 
 
 LOSSES = {
-    "info_nce": lambda *c: contrastive_loss_sum(*c, scale=20.0),
-    "symmetric": lambda *c: contrastive_loss_sum(*c, scale=20.0, symmetric=True),
+    "info_nce": lambda *c: contrastive_losses(*c, scale=20.0),
+    "symmetric": lambda *c: contrastive_losses(*c, scale=20.0, symmetric=True),
 }
+# 32 × 1 takes the one-pass path (no cache, no second forward); the others the two passes.
 SPLITS = {"32x1": [32], "8x4": [8] * 4, "short_last_window": [8, 8, 8, 4]}
 
 
@@ -89,10 +98,12 @@ SPLITS = {"32x1": [32], "8x4": [8] * 4, "short_last_window": [8, 8, 8, 4]}
 def test_without_dropout_the_cache_equals_one_forward_of_the_whole_update(sizes, loss, negatives):
     model = tiny_bi_encoder(dropout=0.0)
     pairs = make_token_pairs(sum(sizes), negatives)
-    full = reference_gradient(model, [pairs], LOSSES[loss])
-    ours = cached_gradient(model, split(pairs, sizes), LOSSES[loss])
+    full, full_loss = reference_gradient(model, [pairs], LOSSES[loss])
+    ours, logged = cached_gradient(model, split(pairs, sizes), LOSSES[loss])
     # fp32, the same sums in another order (padding to each micro-batch's own length changes nothing).
     assert relative_error(ours, full) <= 1e-5
+    # The micro-batches' logged losses are each anchor's once: their sum is the update's loss.
+    assert sum(logged) == pytest.approx(full_loss, rel=1e-5)
 
 
 @pytest.mark.parametrize("negatives", [False, True], ids=["pairs", "hard_negatives"])
@@ -100,36 +111,40 @@ def test_without_dropout_the_cache_equals_one_forward_of_the_whole_update(sizes,
 def test_with_dropout_the_replay_draws_the_same_masks(sizes, negatives, monkeypatch):
     model = tiny_bi_encoder(dropout=0.1)
     batches = split(make_token_pairs(sum(sizes), negatives), sizes)
-    reference = reference_gradient(model, batches, LOSSES["info_nce"])
-    assert relative_error(cached_gradient(model, batches, LOSSES["info_nce"]), reference) <= 1e-5
+    reference, _ = reference_gradient(model, batches, LOSSES["info_nce"])
+    assert relative_error(cached_gradient(model, batches, LOSSES["info_nce"])[0], reference) <= 1e-5
     # Teeth: ordinary accumulation is not the update's loss (measured ~0.5 of the gradient here) ...
     assert relative_error(naive_gradient(model, batches, LOSSES["info_nce"]), reference) > 0.1
     # ... and a replay that does not restore the RNG state draws other masks.
     monkeypatch.setattr(embedding_cache.RandomState, "replay", lambda self: torch.random.fork_rng(devices=[]))
-    assert relative_error(cached_gradient(model, batches, LOSSES["info_nce"]), reference) > 1e-3
+    assert relative_error(cached_gradient(model, batches, LOSSES["info_nce"])[0], reference) > 1e-3
 
 
-def test_rows_accelerate_repeated_take_no_part():
-    """A micro-batch of repeats (training/windows.py: real=False) runs, but adds no anchor, no negative and no gradient."""
+@pytest.mark.parametrize("sizes", [[8, 4], [12]], ids=["two_passes", "one_pass"])
+def test_rows_accelerate_repeated_take_no_part(sizes):
+    """A micro-batch of repeats (training/windows.py: real=False) runs, but adds no anchor, no negative,
+    no gradient and no loss; in a window of one micro-batch too (a process whose share is all repeats)."""
     model = tiny_bi_encoder(dropout=0.0)
     pairs = make_token_pairs(12, negatives=False)
-    batches = split(pairs, [8, 4])
-    full = reference_gradient(model, batches, LOSSES["info_nce"])
-    model.zero_grad()
-    cache = EmbeddingCache(None, embed_with(model), LOSSES["info_nce"])
+    full, full_loss = reference_gradient(model, [pairs], LOSSES["info_nce"])
     repeat = split(pairs, [4])[0] | {}  # the same rows again, as Accelerate repeats them
-    cache.first_pass([*batches, repeat], real=[True, True, False])
-    for batch in [*batches, repeat]:
-        (cache.replay(batch) / 12).backward()
-    assert relative_error(flat_grad(model), full) <= 1e-5
+    batches = [*split(pairs, sizes), repeat] if len(sizes) > 1 else [repeat]
+    real = [True] * len(sizes) + [False] if len(sizes) > 1 else [False]
+    ours, logged = cached_gradient(model, batches, LOSSES["info_nce"], real=real)
+    if len(sizes) > 1:
+        assert relative_error(ours, full) <= 1e-5 and sum(logged) == pytest.approx(full_loss, rel=1e-5)
+    else:  # nothing real on this process: no gradient and no loss, but the forward ran (DDP's parameters)
+        assert float(ours.abs().max()) == 0 and logged == [0.0]
 
 
 def test_one_pair_without_a_negative_and_a_scale_of_zero_are_one_line_each():
-    from ft_accum.core.contrastive_loss import check_scale
+    from ft_accum.core.contrastive_loss import check_negatives, check_scale, negatives_per_anchor
     from ft_accum.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="no negative"):
-        contrastive_loss_sum(torch.ones(1, 4), torch.ones(1, 4))
+        check_negatives(1, hard_negatives=False)
+    check_negatives(1, hard_negatives=True)
+    assert negatives_per_anchor(64, hard_negatives=False) == 63 and negatives_per_anchor(64, True) == 127
     with pytest.raises(ConfigError, match="--scale must be > 0"):
         check_scale(0.0)
     check_scale(20.0)
@@ -141,9 +156,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
 from ft_accum.core.batch_arithmetic import BatchPlan
-from ft_accum.core.contrastive_loss import contrastive_loss_sum
+from ft_accum.core.contrastive_loss import contrastive_losses
 from ft_accum.testing.generated_data import make_token_pairs
-from ft_accum.testing.tiny_models import mean_pooled, tiny_bi_encoder
+from ft_accum.models.sentence_embedding import sentence_embeddings
+from ft_accum.testing.tiny_models import tiny_bi_encoder
 from ft_accum.training.embedding_cache import EmbeddingCache
 from ft_accum.training.windows import Window
 
@@ -152,14 +168,15 @@ plugin = GradientAccumulationPlugin(num_steps=1, sync_with_dataloader=False)  # 
 accelerator = Accelerator(gradient_accumulation_plugin=plugin)
 assert accelerator.num_processes == 2, accelerator.num_processes
 pairs = make_token_pairs(pairs_in_update, negatives=True)
-loss = lambda *columns: contrastive_loss_sum(*columns, scale=20.0)
+losses = lambda *columns: contrastive_losses(*columns, scale=20.0)
 
 def embed_with(model):
-    return lambda b: tuple(mean_pooled(model, b[f"{c}_ids"], b[f"{c}_mask"]) for c in ("anchor", "positive", "negative"))
+    columns = ("anchor", "positive", "negative")
+    return lambda b: tuple(sentence_embeddings(model, b[f"{c}_input_ids"], b[f"{c}_attention_mask"]) for c in columns)
 
 # The reference: every pair in one forward, one backward of the mean loss (dropout off).
 reference = tiny_bi_encoder(dropout=0.0)
-(loss(*embed_with(reference)(pairs)) / pairs_in_update).backward()
+(losses(*embed_with(reference)(pairs)).sum() / pairs_in_update).backward()
 expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
 
 model = accelerator.prepare(tiny_bi_encoder(dropout=0.0))
@@ -168,20 +185,30 @@ batches = []
 for size in shares[accelerator.process_index]:  # this process's micro-batches, each padded to its own rows
     batches.append({k: v[start : start + size] for k, v in pairs.items()})
     start += size
-window = Window(accelerator, batches, count_items=lambda b: len(b["anchor_ids"]), plan=BatchPlan(8, 2, 2))
-cache = EmbeddingCache(accelerator, embed_with(model), loss)
+plan = BatchPlan(8, len(batches), 2)
+window = Window(accelerator, batches, count_items=lambda b: len(b["anchor_input_ids"]), plan=plan)
+cache = EmbeddingCache(accelerator, embed_with(model), losses)
 cache.first_pass(window.micro_batches, window.real)
 for batch in window:
     with accelerator.accumulate(model):
-        accelerator.backward(cache.replay(batch) * window.scale)
+        loss_sum, surrogate = cache.replay(batch)
+        accelerator.backward(surrogate * window.scale)
+        window.add_loss(loss_sum)
+full_loss = float(losses(*embed_with(reference)(pairs)).sum() / pairs_in_update)
 ours = torch.cat([p.grad.flatten() for p in model.parameters()])
+logged_loss = window.summary()["loss"]  # all-reduced: every process calls it
 if accelerator.is_main_process:
-    json.dump({"relative_error": float((ours - expected).norm() / expected.norm())}, open(out, "w"))
+    error = float((ours - expected).norm() / expected.norm())
+    json.dump({"relative_error": error, "loss": logged_loss, "full_loss": full_loss}, open(out, "w"))
 """
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("shares", [[[8, 8], [8, 8]], [[8, 8], [8, 4]]], ids=["2x(8x2)", "uneven: (8+8) and (8+4)"])
+@pytest.mark.parametrize(
+    "shares",
+    [[[8, 8], [8, 8]], [[8, 8], [8, 4]], [[8], [5]]],
+    ids=["2x(8x2)", "uneven: (8+8) and (8+4)", "one pass: 8 and 5"],
+)
 def test_two_ddp_processes_see_every_pair_of_the_update(tmp_path, shares):
     """Each process embeds its own micro-batches; the update's loss is computed over every process's
     pairs (gathered, padded where the shares differ) and DDP averages the replayed gradients: the same
@@ -194,5 +221,6 @@ def test_two_ddp_processes_see_every_pair_of_the_update(tmp_path, shares):
     script.write_text(DDP_SCRIPT)
     total = sum(map(sum, shares))
     launch("", [], num_processes=2, script=[str(script), str(total), json.dumps(shares), str(out)])
-    # fp32 sums in another order, across two processes.
-    assert json.loads(out.read_text())["relative_error"] <= 1e-5
+    result = json.loads(out.read_text())
+    # fp32 sums in another order, across two processes; the logged loss counts each anchor once.
+    assert result["relative_error"] <= 1e-5 and result["loss"] == pytest.approx(result["full_loss"], rel=1e-5)

@@ -131,7 +131,7 @@ def varied_reward(prompts, completions, **columns) -> list[float]:
 
 def make_token_pairs(n: int, negatives: bool = False, vocab_size: int = 50, seed: int = 1) -> dict:
     """n (anchor, positive[, negative]) texts as token ids of 3–12 tokens, each column padded to its
-    longest: `{column}_ids`, `{column}_mask`."""
+    longest: `{column}_input_ids`, `{column}_attention_mask`, as recipes/contrastive_embedding.py collates them."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -140,5 +140,5 @@ def make_token_pairs(n: int, negatives: bool = False, vocab_size: int = 50, seed
         lengths = torch.randint(3, 13, (n,), generator=generator)
         ids = torch.randint(1, vocab_size, (n, int(lengths.max())), generator=generator)
         mask = (torch.arange(ids.shape[1]) < lengths.unsqueeze(1)).long()
-        pairs[f"{column}_ids"], pairs[f"{column}_mask"] = ids * mask, mask
+        pairs[f"{column}_input_ids"], pairs[f"{column}_attention_mask"] = ids * mask, mask
     return pairs

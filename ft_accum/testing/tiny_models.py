@@ -245,10 +245,3 @@ def tiny_bi_encoder(dropout: float, vocab_size: int = 50, hidden_size: int = 32)
         max_position_embeddings=32,
     )
     return BertModel(config, add_pooling_layer=False).train()  # the pooler is unused: DDP would wait for its gradient
-
-
-def mean_pooled(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean pooling over the real tokens, then unit length: all-MiniLM-L6-v2's sentence embedding."""
-    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-    pooled = (hidden * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
-    return torch.nn.functional.normalize(pooled, dim=-1)

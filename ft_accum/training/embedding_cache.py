@@ -11,10 +11,12 @@ accumulation, a loss per micro-batch, is not the update's loss at all. In three 
    computes the same one), and its gradient with respect to each embedding: the cache;
 3. `replay(batch)`: embed the micro-batch again, with a graph and the same RNG state, and return
    Σ embedding · cached gradient, whose gradient with respect to the weights is that micro-batch's
-   share of the update's. The recipe backpropagates it times `window.scale` (÷ the update's anchors,
-   with Accelerate's ÷N and DDP's ÷P undone), under `accelerator.accumulate(model)`.
+   share of the update's (with the micro-batch's anchors' summed loss, for the log). The recipe
+   backpropagates it times `window.scale` (÷ the update's anchors, with Accelerate's ÷N and DDP's ÷P
+   undone), under `accelerator.accumulate(model)`.
 
-The peak holds one micro-batch's activations plus the update's embeddings and score matrix.
+The peak holds one micro-batch's activations plus the update's embeddings and score matrix. A window
+of one micro-batch per process skips the cache: one forward with a graph, as without accumulation.
 Micro-batches made only of the rows Accelerate repeats (training/windows.py) take no part in the loss.
 """
 
@@ -60,19 +62,26 @@ class EmbeddingCache:
     """One window's embeddings and their cached gradients (see the module docstring).
 
     `embed(batch)` returns the micro-batch's embeddings as a tuple of columns, [rows, d] each:
-    (anchors, positives) or (anchors, positives, negatives). `loss_sum(*columns)` is the update's summed
-    loss over all of its anchors, every process's (core/contrastive_loss.contrastive_loss_sum).
+    (anchors, positives) or (anchors, positives, negatives). `losses(*columns)` returns one loss per
+    anchor over the update's columns, every process's (core/contrastive_loss.contrastive_losses).
+
+    A window of one micro-batch on each process needs no cache: its `replay` embeds with a graph and
+    returns the update's loss itself, whose gradient reaches the weights through this process's rows
+    (the other processes' rows are gathered without a graph), so no second forward runs.
     """
 
-    def __init__(self, accelerator, embed: Callable[[dict], Sequence[torch.Tensor]], loss_sum: Callable):
-        self.accelerator, self.embed, self.loss_sum = accelerator, embed, loss_sum
+    def __init__(self, accelerator, embed: Callable[[dict], Sequence[torch.Tensor]], losses: Callable):
+        self.accelerator, self.embed, self.losses = accelerator, embed, losses
         self.device = accelerator.device if accelerator is not None else torch.device("cpu")
 
-    def first_pass(self, micro_batches: Sequence[dict], real: Sequence[bool] | None = None) -> torch.Tensor:
+    def first_pass(self, micro_batches: Sequence[dict], real: Sequence[bool] | None = None) -> None:
         """Embed every micro-batch without a graph, compute the update's loss over all processes and cache
-        its gradient with respect to every embedding; returns the summed loss (a 0-d tensor, no host read)."""
+        its gradient with respect to every embedding (nothing to do for a window of one micro-batch)."""
         real = list(real) if real is not None else [True] * len(micro_batches)
-        self.states, self.gradients = {}, {}
+        self.real = dict(zip(map(id, micro_batches), real))
+        self.states, self.gradients, self.micro_losses = {}, {}, {}
+        if len(micro_batches) == 1:
+            return
         embedded = []
         for batch, is_real in zip(micro_batches, real):
             self.states[id(batch)] = RandomState(self.device)
@@ -80,23 +89,48 @@ class EmbeddingCache:
                 columns = tuple(e.detach() for e in self.embed(batch))
             embedded.append((batch, columns if is_real else tuple(e[:0] for e in columns)))
         local = [torch.cat([columns[c] for _, columns in embedded]) for c in range(len(embedded[0][1]))]
-        gathered, offset = zip(*(gather_rows(self.accelerator, column) for column in local))
-        leaves = [column.detach().float().requires_grad_() for column in gathered]
-        loss = self.loss_sum(*leaves)
-        gradients = torch.autograd.grad(loss, leaves)
-        start = offset[0]
+        leaves = [column.float().requires_grad_() for column in self._gathered(local)[0]]
+        per_anchor = self.losses(*leaves)
+        gradients = torch.autograd.grad(per_anchor.sum(), leaves)
+        start = self.offset
         for batch, columns in embedded:
-            rows = len(columns[0])
-            self.gradients[id(batch)] = tuple(g[start : start + rows] for g in gradients)
-            start += rows
-        return loss.detach()
+            rows = slice(start, start + len(columns[0]))
+            self.gradients[id(batch)] = tuple(g[rows] for g in gradients)
+            self.micro_losses[id(batch)] = per_anchor[rows].detach().sum()
+            start = rows.stop
 
-    def replay(self, batch: dict) -> torch.Tensor:
-        """The micro-batch embedded again with a graph and its first pass's dropout masks, as the surrogate
-        Σ embedding · cached gradient: backpropagating it adds the micro-batch's share of ∇(summed loss)."""
+    def replay(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the micro-batch's anchors' summed loss, detached; the surrogate to backpropagate). The surrogate is
+        the micro-batch embedded again with a graph and its first pass's dropout masks, as Σ embedding ·
+        cached gradient: backpropagating it adds the micro-batch's share of ∇(the update's summed loss)."""
+        if id(batch) not in self.gradients:
+            return self._one_pass(batch)
         gradients = self.gradients[id(batch)]
         with self.states[id(batch)].replay():
             columns = self.embed(batch)
         if len(gradients[0]) == 0:  # rows Accelerate repeated: the forward runs (DDP joins it), counts nothing
-            return sum(column.sum() * 0 for column in columns)
-        return sum((column.float() * gradient).sum() for column, gradient in zip(columns, gradients))
+            return self.micro_losses[id(batch)], sum(column.sum() * 0 for column in columns)
+        surrogate = sum((column.float() * gradient).sum() for column, gradient in zip(columns, gradients))
+        return self.micro_losses[id(batch)], surrogate
+
+    def _one_pass(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window's only micro-batch: embedded once, with a graph, and the update's loss returned."""
+        columns = self.embed(batch)
+        local = [column if self.real[id(batch)] else column[:0] for column in columns]
+        gathered, with_graph = self._gathered(local)
+        per_anchor = self.losses(*with_graph)
+        rows = slice(self.offset, self.offset + len(local[0]))
+        # A repeat's columns join the graph at weight 0: DDP waits for a gradient of every parameter.
+        keep_in_graph = sum(column.sum() * 0 for column in columns)
+        return per_anchor[rows].detach().sum(), per_anchor.sum() + keep_in_graph
+
+    def _gathered(self, local: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(every process's rows of each column, detached; the same with this process's rows kept in the
+        graph), and `self.offset`, where this process's rows start."""
+        gathered = [gather_rows(self.accelerator, column.detach()) for column in local]
+        gathered, self.offset = [rows for rows, _ in gathered], gathered[0][1]
+        rows = slice(self.offset, self.offset + len(local[0]))
+        with_graph = [
+            torch.cat([g[: rows.start], column.float(), g[rows.stop :]]) for g, column in zip(gathered, local)
+        ]
+        return [g.float() for g in gathered], with_graph

@@ -203,8 +203,11 @@ def truncate_metrics(output_dir: Path, last_step: int) -> None:
             path.write_text("".join(line + "\n" for line in kept))
 
 
-def save_final(accelerator, model, tokenizer, output_dir: Path, name: str = "final") -> Path:
-    """`save_pretrained` (safetensors) of the unwrapped model and the tokenizer into output_dir/name.
+def save_final(
+    accelerator, model, tokenizer, output_dir: Path, name: str = "final", extra_files: dict[str, str] | None = None
+) -> Path:
+    """`save_pretrained` (safetensors) of the unwrapped model and the tokenizer into output_dir/name, with
+    `extra_files` ({relative path: text}, e.g. sentence-transformers' module files) written beside them.
 
     A peft model saves its adapter only. Call on every process: the state dict is gathered
     from all of them (FSDP, DeepSpeed) before the main process writes.
@@ -213,7 +216,7 @@ def save_final(accelerator, model, tokenizer, output_dir: Path, name: str = "fin
     check_finite_parameters(accelerator.unwrap_model(model), f"{name}/")
     state_dict = without_tied_copies(accelerator.unwrap_model(model), accelerator.get_state_dict(model))
     if accelerator.is_main_process:
-        write_pretrained(accelerator.unwrap_model(model), tokenizer, output_dir, name, state_dict)
+        write_pretrained(accelerator.unwrap_model(model), tokenizer, output_dir, name, state_dict, extra_files)
     accelerator.wait_for_everyone()
     return Path(output_dir) / name
 
@@ -233,14 +236,24 @@ def without_tied_copies(model, state_dict: dict | None) -> dict | None:
     return {key: value for key, value in state_dict.items() if key not in copies}
 
 
-def write_pretrained(model, tokenizer, output_dir: Path, name: str, state_dict: dict | None = None) -> Path:
-    """`save_pretrained` of model and tokenizer into output_dir/name, whole or not at all: written to
-    a temporary folder first, then renamed into place (one process only)."""
+def write_pretrained(
+    model,
+    tokenizer,
+    output_dir: Path,
+    name: str,
+    state_dict: dict | None = None,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """`save_pretrained` of model and tokenizer (and `extra_files`) into output_dir/name, whole or not at
+    all: written to a temporary folder first, then renamed into place (one process only)."""
     tmp, final = Path(output_dir) / f".tmp-{name}", Path(output_dir) / name
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        for relative, text in (extra_files or {}).items():
+            (tmp / relative).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / relative).write_text(text)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(

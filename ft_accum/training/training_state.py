@@ -285,8 +285,17 @@ class RunTracker:
         with self.clock.paused(), collective_timeout.phase("eval"):
             yield
 
-    def finish(self, model, tokenizer, plan: BatchPlan, after_save=None, **metrics: Any) -> dict[str, Any]:
-        """Save final/ (and whatever `after_save()` saves, returning extra results), write all_results.json."""
+    def finish(
+        self,
+        model,
+        tokenizer,
+        plan: BatchPlan,
+        after_save=None,
+        final_files: dict[str, str] | None = None,
+        **metrics: Any,
+    ) -> dict[str, Any]:
+        """Save final/ (with `final_files` in it, and whatever `after_save()` saves, returning extra
+        results), write all_results.json."""
         self.progress.close()
         if self.noise is not None and (advice := self.noise.advice(self.state)):
             self.accelerator.print(advice)
@@ -294,7 +303,7 @@ class RunTracker:
             self.stop.restore()
         train_seconds = self.clock.total()
         with collective_timeout.phase("save"):
-            save_final(self.accelerator, model, tokenizer, self.settings.output_dir)
+            save_final(self.accelerator, model, tokenizer, self.settings.output_dir, extra_files=final_files)
         with collective_timeout.phase("sample"):  # --generate_prompt, --merge_lora: model calls on every rank
             extras = after_save() if after_save else {}
         learning_rate = self.settings.scaled_learning_rate(self.state.effective_batch_size)
