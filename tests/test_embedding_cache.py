@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ft_accum.core.contrastive_loss import contrastive_losses
-from ft_accum.testing.generated_data import make_token_pairs
 from ft_accum.models.sentence_embedding import sentence_embeddings
+from ft_accum.testing.generated_data import make_token_pairs
 from ft_accum.testing.tiny_models import tiny_bi_encoder
 from ft_accum.training import embedding_cache
 from ft_accum.training.embedding_cache import EmbeddingCache
