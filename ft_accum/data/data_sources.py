@@ -101,14 +101,14 @@ def _read_error_hint(exc: BaseException, builder: str) -> str:
     return f"{reason}; {fix.get(builder, 'check the file format')}"
 
 
-def check_text_column(raw: datasets.DatasetDict, text_column: str) -> None:
-    """The text column holds strings (a CSV row with extra fields shifts numbers into it)."""
+def check_text_column(raw: datasets.DatasetDict, text_column: str, flag: str = "--text_column") -> None:
+    """The text column (the recipe's `flag`) holds strings (a CSV row with extra fields shifts numbers into it)."""
     for split, ds in raw.items():
         dtype = getattr(ds.features[text_column], "dtype", None)
         if dtype not in ("string", "large_string"):
             raise ConfigError(
-                f"--text_column {text_column!r} of the {split} split holds {dtype or type(ds.features[text_column]).__name__} values, not text; "
-                "check that every CSV row has as many fields as the header, or pass the right --text_column"
+                f"{flag} {text_column!r} of the {split} split holds {dtype or type(ds.features[text_column]).__name__} values, not text; "
+                f"check that every CSV row has as many fields as the header, or pass the right {flag}"
             )
 
 
@@ -131,6 +131,18 @@ def drop_empty_rows(raw: datasets.DatasetDict, *columns: str) -> datasets.Datase
                 f"check that the file has values in column(s) {', '.join(columns)}, or pass the right column names"
             )
     return filtered
+
+
+def check_no_empty_text(raw: datasets.DatasetDict, *columns: str) -> None:
+    """Refuse a row whose `columns` hold an empty text, naming the first: where every column is one side
+    of a pair (an anchor and its positive), dropping the row would silently drop its partner too."""
+    for split, ds in raw.items():
+        for column in columns:
+            for index, text in enumerate(ds[column]):
+                if text is None or not str(text).strip():
+                    raise ConfigError(
+                        f"row {index + 1} of the {split} split has an empty {column!r}; fill it in or remove the row"
+                    )
 
 
 def label_names(raw: datasets.DatasetDict, label_column: str) -> list[str]:

