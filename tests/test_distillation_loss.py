@@ -103,3 +103,15 @@ def test_the_chunked_sum_equals_the_full_logits_in_value_and_gradients(beta, alp
     with torch.no_grad():  # evaluation: the same value, no gradient kept
         value, _ = linear_distillation_sum(hidden, student_layer, teacher_hidden, teacher_layer, targets, token_losses)
     assert not value.requires_grad and float(value) == pytest.approx(float(full.detach()), rel=1e-6)
+
+
+def test_which_sequences_the_student_samples_does_not_depend_on_the_split():
+    from ft_accum.core.distillation_loss import student_samples
+
+    ids = list(range(64))
+    whole = student_samples(7, 3, ids, 0.5)
+    in_micro_batches = [d for start in range(0, 64, 6) for d in student_samples(7, 3, ids[start : start + 6], 0.5)]
+    assert in_micro_batches == whole
+    assert 20 <= sum(whole) <= 44  # a fraction near λ (binomial(64, 0.5): 99.9% within these bounds)
+    assert student_samples(7, 4, ids, 0.5) != whole  # a new draw each update
+    assert not any(student_samples(7, 3, ids, 0.0)) and all(student_samples(7, 3, ids, 1.0))

@@ -21,6 +21,7 @@ over its counted tokens on every micro-batch and process, ÷ their number (the w
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 import torch.nn.functional as F
@@ -74,3 +75,12 @@ def distillation_token_losses(
     if alpha:
         losses = losses + alpha * F.cross_entropy(at_least_fp32(student_logits), targets, reduction="none")
     return losses
+
+
+def student_samples(seed: int, update: int, sequence_ids: list[int], lmbda: float) -> list[bool]:
+    """Which sequences of an update the student answers itself (GKD's on-policy fraction λ): sequence i is
+    the student's when u(seed, update, i) < λ, u uniform in [0, 1) from a generator seeded by the three
+    (Python's `random.Random` seeds from the string's SHA-512). The decision belongs to the sequence, so
+    it is the same at any split into micro-batches and processes; TRL's `GKDTrainer` draws once per
+    micro-batch (`random.random() <= lmbda`), so there the split decides which sequences are on-policy."""
+    return [random.Random(f"{seed}:{update}:{i}").random() < lmbda for i in sequence_ids]
