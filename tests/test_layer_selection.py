@@ -8,7 +8,6 @@ from transformers import AutoModelForCausalLM
 
 from ft_accum.core.errors import ConfigError
 from ft_accum.models.layer_selection import evenly_spaced_layers, student_from_teacher
-from ft_accum.testing import make_tiny_chat_lm
 
 
 @pytest.mark.parametrize(
@@ -32,9 +31,8 @@ def test_a_student_deeper_than_its_teacher_or_empty_is_one_line(keep):
         evenly_spaced_layers(4, keep)
 
 
-def test_the_student_is_the_teacher_s_chosen_layers_and_runs(tmp_path):
-    teacher_dir = make_tiny_chat_lm(tmp_path / "teacher")
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
+def test_the_student_is_the_teacher_s_chosen_layers_and_runs(tmp_path, chat_lm_dir):
+    teacher = AutoModelForCausalLM.from_pretrained(chat_lm_dir)
     student, kept = student_from_teacher(teacher, 1)
     assert kept == [1] and student.config.num_hidden_layers == 1 and len(student.model.layers) == 1
     assert len(teacher.model.layers) == 2  # the teacher is untouched
