@@ -34,7 +34,6 @@ finishes the current update, saves a checkpoint and prints the resume command.
 """
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -46,7 +45,7 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.training import every_rank, run_outputs, run_setup, training_state
+from ft_accum.training import chat_evaluation, run_outputs, run_setup, training_state
 from ft_accum.training.arguments import LoraArguments, run_main
 from ft_accum.training.graceful_stop import GracefulStop
 
@@ -166,39 +165,22 @@ def training_step(model, batch, output_loss):
     return output_loss(model, batch["labels"], **model_inputs(batch))[0]
 
 
-def normalize(text):
-    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
-
-
 @torch.no_grad()
 def evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, conversations):
     """The assistant-token loss over the validation set, and the exact match of greedy answers to
     the questions whose reference answer has at most --exact_match_max_words words."""
     model.eval()
     loss = output_loss.mean_loss(model, eval_dataloader, accelerator, model_inputs)
-    short = [c for c in conversations if len(c[-1]["content"].split()) <= task.exact_match_max_words]
-    tokenizer.padding_side, hits, count = "left", 0, 0  # generation continues from the right end of each prompt
-    # The same number of generate() calls on every rank: under FSDP each step all-gathers the weights.
-    for chunk, real in every_rank.rank_batches(short, accelerator.process_index, accelerator.num_processes, 8):
-        prompts = [tokenizer.apply_chat_template(c[:-1], tokenize=False, add_generation_prompt=True) for c in chunk]
-        inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(accelerator.device)
-        # Not **inputs: a BERT-style tokenizer adds token_type_ids, which a causal LM's generate() refuses.
-        generated = every_rank.generate(
-            accelerator,
-            model,
-            input_ids=inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
-            max_new_tokens=task.max_new_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        answers = tokenizer.batch_decode(generated[:real, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-        hits += sum(normalize(a) == normalize(c[-1]["content"]) for a, c in zip(answers, chunk))
-        count += real
-    tokenizer.padding_side = "right"
-    hits, count = accelerator.reduce(torch.tensor([hits, count], device=accelerator.device), "sum").tolist()
+    exact = chat_evaluation.exact_match(
+        accelerator,
+        model,
+        tokenizer,
+        conversations,
+        max_words=task.exact_match_max_words,
+        max_new_tokens=task.max_new_tokens,
+    )
     model.train()
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50)), "eval_exact_match": hits / max(count, 1)}
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50)), "eval_exact_match": exact}
 
 
 def describe_data(task, model, tokenized, train_rows, loss_path: str, effective_batch_size: int):

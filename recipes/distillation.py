@@ -1,0 +1,323 @@
+r"""accelerate launch --config_file accelerate_configs/cpu.yaml recipes/distillation.py \
+    --config recipes/configs/distillation.yaml
+
+Distil a chat model into a smaller student on the teacher's token distributions, exact over the update.
+
+The student learns the teacher's whole next-token distribution at every assistant token, not only the
+token the data has: forward KL (Hinton et al. 2015), reverse KL, or GKD's generalized Jensen-Shannon
+divergence between them (--beta: 0 forward, 1 reverse; Agarwal et al. 2024), at --temperature (with
+Hinton's τ² factor), and --alpha of the ordinary cross-entropy mixed in (1: cross-entropy only, the
+comparison that says whether distillation is worth it). Each update is the sum over its assistant
+tokens on every micro-batch and process, divided once by their number; neither model's full logits
+are ever built (ft_accum/models/output_divergence.py).
+
+With no flags the teacher is the bundled SmolLM2-135M-Instruct and the student its own 15 evenly
+spaced layers of 30 (--student_layers; DistilBERT's start, no second download), trained on the BBC
+News instructions of the instruction-tuning recipe; it reports, before and after, the held-out
+assistant-token loss, the divergence from the teacher, and the exact match of the one-word answers.
+Your own student: --model_name_or_path (its tokenizer must be the teacher's vocabulary).
+
+Data as recipes/instruction_tuning.py reads it: --train_file (json, jsonl, csv) or --dataset_name with
+a `messages` column of {role, content} turns, ShareGPT's `conversations`, Alpaca's columns, or
+`prompt` and `completion`.
+
+Outputs in --output_dir: final/ (the student; `ft-accum export RUN_DIR --format gguf` for a Llama),
+metrics.jsonl, all_results.json, checkpoints/. SIGTERM or Ctrl-C finishes the current update, saves a
+checkpoint and prints the resume command.
+"""
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from accelerate.utils import set_seed
+from transformers import AutoTokenizer
+
+from ft_accum.core import distillation_loss
+from ft_accum.core.errors import ConfigError
+from ft_accum.data import chat_data, data_sources, offline_assets
+from ft_accum.models import layer_selection, loading, lora, low_memory
+from ft_accum.models.output_divergence import DistillationLoss
+from ft_accum.training import chat_evaluation, run_setup, training_state
+from ft_accum.training.arguments import LoraArguments, run_main
+from ft_accum.training.graceful_stop import GracefulStop
+
+
+@dataclass
+class TaskArguments(LoraArguments):
+    teacher_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "The teacher: a local dir (a run's final/) or hub name. Default: SmolLM2-135M."},
+    )
+    model_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "The student. Default: --student_layers of the teacher's own layers."}
+    )
+    student_layers: Optional[int] = field(
+        default=None, metadata={"help": "Layers of the student built from the teacher (default: half of them)."}
+    )
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "Hub dataset (needs network). Default: BBC News instructions (offline)."}
+    )
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
+    train_file: Optional[str] = field(default=None, metadata={"help": "Local json, jsonl or csv."})
+    validation_file: Optional[str] = field(default=None, metadata={"help": "Local file; default: 10%% of train."})
+    messages_column: str = field(default="messages", metadata={"help": "Column of {role, content} turns."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Without messages: the user's prompt."})
+    completion_column: str = field(default="completion", metadata={"help": "Without messages: the answer."})
+    max_seq_length: int = field(default=256, metadata={"help": "Tokens per conversation (longer: cut)."})
+    beta: float = field(default=0.5, metadata={"help": "GKD's JSD mix: 0 forward KL, 1 reverse KL, between: JSD."})
+    temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of both models (> 0)."})
+    alpha: float = field(default=0.0, metadata={"help": "Weight of the cross-entropy on the data (1: CE only)."})
+    chunked_loss: bool = field(default=True, metadata={"help": "Loss from the hidden states in chunks (exact)."})
+    exact_match_max_words: int = field(default=1, metadata={"help": "Exact match on answers of ≤ this many words."})
+    max_new_tokens: int = field(default=8, metadata={"help": "Generation length for the exact-match score."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        distillation_loss.check_distillation_settings(self.beta, self.temperature, self.alpha)
+        for name in ("max_seq_length", "exact_match_max_words", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
+
+
+NO_DECAY = ("bias", "norm.weight")
+
+
+def build_models(task, args, accelerator):
+    """(student, frozen teacher, tokenizer, which teacher layers the student kept or None)."""
+    teacher_name = task.teacher_name_or_path or str(offline_assets.bundled_smollm2_dir())
+    if task.load_in_4bit:
+        raise ConfigError(
+            "--load_in_4bit: the student trains its own weights here; drop the flag (a 4-bit teacher is not built yet)"
+        )
+    if task.use_lora:
+        lora.import_peft()  # a missing peft fails before the models load
+    tokenizer = loading.load_pretrained(AutoTokenizer, teacher_name, args.trust_remote_code)
+    chat_data.resolve_chat_template(tokenizer, None, teacher_name)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
+    teacher = run_setup.load_causal_lm(teacher_name, args, accelerator, frozen_base=False)
+    kept = None
+    if task.model_name_or_path:
+        student = run_setup.load_causal_lm(task.model_name_or_path, args, accelerator, frozen_base=task.use_lora)
+        student_vocab = loading.load_pretrained(AutoTokenizer, task.model_name_or_path, args.trust_remote_code)
+        if student_vocab.get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(
+                f"the student {task.model_name_or_path} and the teacher {teacher_name} have different vocabularies; "
+                "distillation compares their distributions token by token: pick a student of the teacher's family"
+            )
+    else:
+        layers = len(layer_selection.decoder_layers(teacher))
+        student, kept = layer_selection.student_from_teacher(teacher, task.student_layers or max(1, layers // 2))
+    teacher.requires_grad_(False).eval().to(accelerator.device)  # frozen: no gradients, no optimizer state
+    loading.check_context_length(student.config, task.max_seq_length, "--max_seq_length")
+    if args.gradient_checkpointing:
+        loading.enable_gradient_checkpointing(student)
+    if task.use_lora:
+        student = run_setup.apply_lora(student, task, args)
+    return student, teacher, tokenizer, kept
+
+
+def load_conversations(task, args):
+    """{split: [conversation, ...]}, every row checked (a list of known roles with an assistant turn)."""
+    raw = run_setup.load_splits(task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_instructions(seed))
+    columns = (task.messages_column, task.prompt_column, task.completion_column)
+    formats = {split: chat_data.conversation_format(ds.column_names, *columns) for split, ds in raw.items()}
+    raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
+    conversations = {
+        split: [chat_data.to_messages(row, formats[split], *columns) for row in rows] for split, rows in raw.items()
+    }
+    for split, chats in conversations.items():
+        for i, messages in enumerate(chats):
+            chat_data.check_messages(messages, f"{split} row {i + 1}")
+    return conversations
+
+
+def build_dataloaders(task, args, accelerator, conversations, tokenizer):
+    with accelerator.main_process_first():
+        tokenized = {s: chat_data.tokenize_chats(tokenizer, c, task.max_seq_length) for s, c in conversations.items()}
+    for split, chats in tokenized.items():
+        if not chats.rows:
+            raise ConfigError(f"no {split} conversation keeps an assistant token within --max_seq_length; raise it")
+    train_dataloader, eval_dataloader = data_sources.seeded_dataloaders(
+        {split: chats.rows for split, chats in tokenized.items()},
+        chat_data.collate_chats(tokenizer.pad_token_id, packed=False),
+        args.per_device_train_batch_size,
+        args.per_device_eval_batch_size,
+        args.seed,
+    )
+    return train_dataloader, eval_dataloader, tokenized
+
+
+def model_inputs(batch):
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+
+
+def count_items(batch):
+    """What the loss is a mean over: assistant tokens, counted after the causal shift (the rest are -100)."""
+    return (batch["labels"][:, 1:] != -100).sum()
+
+
+def training_step(model, teacher, batch, distill):
+    """The micro-batch's loss summed over its assistant tokens (the window divides once by its count of all of them)."""
+    return distill(model, teacher, batch["labels"], **model_inputs(batch))[0]
+
+
+@torch.no_grad()
+def evaluate(task, model, teacher, eval_dataloader, accelerator, distill, divergence, tokenizer, conversations):
+    """Held out: the assistant-token cross-entropy, the divergence from the teacher per assistant token
+    (the chosen β and τ, without --alpha), and the exact match of the one-word answers."""
+    model.eval()
+    cross_entropy = distill.student.mean_loss(model, eval_dataloader, accelerator, model_inputs)
+    totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    for batch in eval_dataloader:
+        loss_sum, tokens = divergence(model, teacher, batch["labels"], **model_inputs(batch))
+        # gather_for_metrics drops the rows Accelerate repeated to even out the last batch.
+        loss_sum, tokens = accelerator.gather_for_metrics((loss_sum.reshape(1), tokens.reshape(1)))
+        totals += torch.stack([loss_sum.sum().double(), tokens.sum().double()])
+    exact = chat_evaluation.exact_match(
+        accelerator,
+        model,
+        tokenizer,
+        conversations,
+        max_words=task.exact_match_max_words,
+        max_new_tokens=task.max_new_tokens,
+    )
+    model.train()
+    divergence_per_token = (totals[0] / totals[1]).item()
+    return {
+        "eval_loss": cross_entropy,
+        "eval_perplexity": math.exp(min(cross_entropy, 50)),
+        "eval_divergence": divergence_per_token,
+        "eval_exact_match": exact,
+    }
+
+
+def build_losses(task, accelerator, model, teacher):
+    """(the training loss, ℓ with --alpha; the held-out divergence from the teacher, ℓ without it)."""
+    losses = functools.partial(
+        distillation_loss.distillation_token_losses, beta=task.beta, temperature=task.temperature, alpha=task.alpha
+    )
+    unwrapped = accelerator.unwrap_model(model)
+    return tuple(
+        DistillationLoss(unwrapped, teacher, token_losses=loss, accelerator=accelerator, enabled=task.chunked_loss)
+        for loss in (losses, functools.partial(losses, alpha=0.0))
+    )
+
+
+def describe_run(task, model, kept, distill, tokenized) -> dict[str, str]:
+    """The banner's lines about the student, the loss and the data."""
+    student = f"the teacher's layers {kept}" if kept is not None else task.model_name_or_path
+    return {
+        "student": f"{student}: {lora.describe_trainable(model, task.lora_r if task.use_lora else None)}",
+        "loss": f"{distillation_loss.describe(task.beta, task.temperature, task.alpha)}; {distill.path}",
+        "conversations": f"{len(tokenized['train'].rows)} train / {len(tokenized['validation'].rows)} eval",
+    }
+
+
+def train(task, args):
+    accelerator, plan = run_setup.build_accelerator(task, args, "distillation", loss_weighted_by="tokens")
+    offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
+    set_seed(args.seed)
+
+    conversations = load_conversations(task, args)
+    with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
+        model, teacher, tokenizer, kept = build_models(task, args, accelerator)
+    train_dataloader, eval_dataloader, tokenized = build_dataloaders(task, args, accelerator, conversations, tokenizer)
+    run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
+    optimizer = run_setup.build_optimizer(model, args=args, plan=plan, no_decay=NO_DECAY)
+    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader
+    )
+    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
+    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
+    distill, divergence = build_losses(task, accelerator, model, teacher)
+    rows = describe_run(task, model, kept, distill, tokenized)
+    mean_tokens = sum(len(r["input_ids"]) for r in tokenized["train"].rows) / len(tokenized["train"].rows)
+    accelerator.print(
+        run_setup.run_banner(
+            accelerator,
+            args,
+            plan,
+            schedule.windows,
+            mean_tokens,
+            rows,
+            "conversations",
+            model=model,
+            optimizer=optimizer,
+        )
+    )
+
+    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
+    train_windows = run_setup.train_windows(
+        accelerator,
+        args,
+        train_dataloader,
+        state,
+        scheduler=schedule,
+        count_items=count_items,
+        unit="assistant tokens",
+    )
+    tracker = training_state.RunTracker(
+        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+    )
+    evaluation = functools.partial(
+        evaluate,
+        task,
+        model,
+        teacher,
+        eval_dataloader,
+        accelerator,
+        distill,
+        divergence,
+        tokenizer,
+        conversations["validation"],
+    )
+    with tracker.paused():  # outside the training time, like every evaluation
+        initial_eval = evaluation()
+    accelerator.print(
+        f"before training: eval_divergence {initial_eval['eval_divergence']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
+    )
+    eval_metrics = initial_eval
+    model.train()
+    for window in train_windows:  # one optimizer update; window.num_items: its assistant tokens, on every process
+        for batch in window:
+            with accelerator.accumulate(model), offload, window.retry_on_out_of_memory():
+                loss_sum = training_step(model, teacher, batch, distill)
+                # Σ loss / num_items over the window: scale = N·P / num_items undoes backward's ÷N and DDP's ÷P
+                accelerator.backward(loss_sum * window.scale)
+                window.add_loss(loss_sum)
+                if accelerator.sync_gradients:  # the window's last micro-batch: a NaN loss stops before the step
+                    window.check_finite_loss()
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0])
+        if window.ends_epoch:
+            with tracker.paused():
+                eval_metrics = evaluation()
+            tracker.log_evaluation(eval_metrics)
+    initial = {f"initial_{k}": v for k, v in initial_eval.items()}
+    return tracker.finish(model, tokenizer=tokenizer, plan=train_windows.plan, **eval_metrics, **initial)
+
+
+def main(argv=None):
+    return run_main(
+        train,
+        TaskArguments,
+        argv,
+        __doc__,
+        output_dir="outputs/distillation",
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        learning_rate=2e-4,
+        weight_decay=0.0,
+        num_train_epochs=1,
+    )
+
+
+if __name__ == "__main__":
+    main()
