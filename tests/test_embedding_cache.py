@@ -153,6 +153,7 @@ def test_one_pair_without_a_negative_and_a_scale_of_zero_are_one_line_each():
 DDP_SCRIPT = """
 import json, sys
 import torch
+import torch.distributed.nn.functional as dist_nn
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
 from ft_accum.core.batch_arithmetic import BatchPlan
@@ -174,24 +175,37 @@ def embed_with(model):
     return lambda b: tuple(sentence_embeddings(model, b[f"{c}_input_ids"], b[f"{c}_attention_mask"]) for c in columns)
 
 results = {}
-for name, shares in cases.items():  # one update each, on a fresh model: every share's micro-batches
+for name, (shares, dropout) in cases.items():  # one update each, on a fresh model: every share's micro-batches
     pairs_in_update = sum(map(sum, shares))
     pairs = make_token_pairs(pairs_in_update, negatives=True)
-    # The reference: every pair in one forward, one backward of the mean loss (dropout off).
-    reference = tiny_bi_encoder(dropout=0.0)
-    full_loss = losses(*embed_with(reference)(pairs)).sum() / pairs_in_update
-    full_loss.backward()
-    expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
-
-    model = accelerator.prepare(tiny_bi_encoder(dropout=0.0))
     start = sum(sum(share) for share in shares[: accelerator.process_index])
     batches = []
     for size in shares[accelerator.process_index]:  # this process's micro-batches, each padded to its own rows
         batches.append({k: v[start : start + size] for k, v in pairs.items()})
         start += size
+    reference = tiny_bi_encoder(dropout=dropout)
+    if not dropout:  # the reference: every pair in one forward, one backward of the mean loss
+        full_loss = losses(*embed_with(reference)(pairs)).sum() / pairs_in_update
+        full_loss.backward()
+        expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    else:
+        # Dropout on: each process embeds its micro-batches with a graph, in order, from its own seed (the masks
+        # GradCache's first pass draws), gathered with autograd; every process computes the update's loss, so
+        # the gathers' backward sums P copies of each gradient: Σ over processes ÷ P is the update's gradient.
+        torch.manual_seed(100 + accelerator.process_index)
+        local = [torch.cat(c) for c in zip(*(embed_with(reference)(b) for b in batches))]
+        gathered = [torch.cat(dist_nn.all_gather(column)) for column in local]
+        full_loss = losses(*gathered).sum() / pairs_in_update
+        full_loss.backward()
+        expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
+        torch.distributed.all_reduce(expected)
+        expected /= accelerator.num_processes
+
+    model = accelerator.prepare(tiny_bi_encoder(dropout=dropout))
     plan = BatchPlan(8, len(batches), 2)
     window = Window(accelerator, batches, count_items=lambda b: len(b["anchor_input_ids"]), plan=plan)
     cache = EmbeddingCache(accelerator, embed_with(model), losses)
+    torch.manual_seed(100 + accelerator.process_index)
     cache.first_pass(window.micro_batches, window.real)
     for batch in window:
         with accelerator.accumulate(model):
@@ -209,16 +223,24 @@ accelerator.wait_for_everyone()
 accelerator.end_training()
 """
 
-# Each process's micro-batches in one update: even, uneven (the short last window), and one micro-batch each
-# (the one-pass path: no cache, the other process's rows gathered without a graph).
-SHARES = {"2x(8x2)": [[8, 8], [8, 8]], "uneven: (8+8) and (8+4)": [[8, 8], [8, 4]], "one pass: 8 and 5": [[8], [5]]}
+# Each process's micro-batches in one update, and the dropout: even, uneven (the short last window), one
+# micro-batch each (the one-pass path: no cache, the other process's rows gathered without a graph), and
+# 2 × (8 × 2) with dropout on (each process replays its own masks).
+SHARES = {
+    "2x(8x2)": ([[8, 8], [8, 8]], 0.0),
+    "uneven: (8+8) and (8+4)": ([[8, 8], [8, 4]], 0.0),
+    "one pass: 8 and 5": ([[8], [5]], 0.0),
+    "dropout 0.1: 2x(8x2)": ([[8, 8], [8, 8]], 0.1),
+}
 
 
 @pytest.mark.launch
 def test_two_ddp_processes_see_every_pair_of_the_update(tmp_path):
     """Each process embeds its own micro-batches; the update's loss is computed over every process's
     pairs (gathered, padded where the shares differ) and DDP averages the replayed gradients: the same
-    as one forward of all of them, with hard negatives. The three cases run in one launch."""
+    as one forward of all of them, with hard negatives; with dropout on, the same as each process embedding
+    its micro-batches with a graph and the loss over all of them backpropagated once. The four cases run
+    in one launch."""
     import json
 
     from conftest import launch

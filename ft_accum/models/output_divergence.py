@@ -124,15 +124,16 @@ def linear_distillation_sum(
 def full_logits_distillation_sum(
     logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, token_losses: TokenLosses
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same sum from both models' full logits [..., V] (the reference, and the path under FSDP)."""
+    """The same sum from both models' full logits [..., V] (the reference, and the path under FSDP), at the
+    target positions only."""
     flat_targets = targets.reshape(-1)
-    is_target = flat_targets != -100
+    index = (flat_targets != -100).nonzero().squeeze(1)
     losses = token_losses(
-        at_least_fp32(logits.reshape(-1, logits.shape[-1])),
-        at_least_fp32(teacher_logits.reshape(-1, teacher_logits.shape[-1])),
-        flat_targets.masked_fill(~is_target, 0),
+        at_least_fp32(logits.reshape(-1, logits.shape[-1])[index]),
+        at_least_fp32(teacher_logits.reshape(-1, teacher_logits.shape[-1])[index]),
+        flat_targets[index],
     )
-    return (losses * is_target).sum(), is_target.sum()
+    return losses.sum(), index.new_tensor(len(index))
 
 
 class DistillationLoss:
