@@ -40,7 +40,7 @@ from ft_accum.testing import launch_command, make_tiny_bert, run_with_stack_dump
 pytestmark = pytest.mark.launch
 CONFIGS = {"ddp": "multi_gpu_ddp.yaml", "fsdp": "fsdp.yaml"}
 # Rows that leave the last micro-batch short and uneven across the 2 processes.
-SIZES = ["--max_train_steps=2", "--max_train_samples=37", "--max_eval_samples=9"]
+SIZES = ["--max_train_steps=2", "--max_train_samples=37", "--max_eval_samples=5"]
 
 
 def refused_under_fsdp() -> dict[str, str]:

@@ -42,7 +42,6 @@ from ft_accum.data.rewards import arithmetic_task
 from ft_accum.testing import (
     make_conversations,
     make_preference_pairs,
-    make_retrieval_pairs,
     make_rows,
     make_sentence_pairs,
     make_tagged_rows,
@@ -121,7 +120,7 @@ def other_recipe_runs(root: Path, tiny_model_dir: Path, chat_model: Path) -> dic
     """{name: (recipe, one-process arguments at 8 × 1, FSDP arguments at 2 × 2 × 2)} for the recipes
     FSDP serves besides the two above, each on a tiny model of its kind and 41 rows (13 pairs) that
     leave the last window short and uneven across the processes: BERT classifiers (sequence, tokens,
-    a sentence pair's score, a bi-encoder under GradCache), a T5 (its embedding shared by both stacks and the output layer:
+    a sentence pair's score), a T5 (its embedding shared by both stacks and the output layer:
     run_setup.fit_fsdp_units), DPO with LoRA (the reference is the policy with its adapters off) and
     GRPO with LoRA (3 updates of 8 completions, the rounds sampled on every rank)."""
 
@@ -141,12 +140,6 @@ def other_recipe_runs(root: Path, tiny_model_dir: Path, chat_model: Path) -> dic
             {"max_seq_length": 48, "learning_rate": 0.01},
         ),
         "seq2seq": (t5, files("s2s", make_text_pairs), {"max_source_length": 48, "max_target_length": 16}),
-        # GradCache under FSDP: the first pass's forwards without a graph, the replays with one, hard negatives.
-        "contrastive_embedding": (
-            tiny_model_dir,
-            files("retrieval", lambda n, seed: make_retrieval_pairs(n, seed, negatives=True)),
-            {"max_seq_length": 48},
-        ),
         # GRPO with LoRA: rounds sampled on every rank, completions that stop early or run to the limit.
         "grpo": (
             make_tiny_chat_lm(root / "eos-lm", eos_scale=60),
@@ -247,7 +240,6 @@ def test_instruction_tuning_lora_under_fsdp_matches_one_process(fsdp_runs):
         "token_classification",
         "sentence_pair_regression",
         "seq2seq",
-        "contrastive_embedding",
         "preference_tuning",
         "grpo",
     ],
