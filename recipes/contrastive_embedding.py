@@ -182,9 +182,10 @@ def train(task, args):
     schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     negatives = contrastive_loss.negatives_per_anchor(plan.effective, hard_negatives)
+    which = "the update's other positives" + (" and every hard negative" if hard_negatives else "")
     rows = {
         "train / eval pairs": f"{len(raw['train'])} / {len(raw['validation'])}",
-        "negatives per anchor": f"{negatives} (the update's other positives{' and every hard negative' * hard_negatives})",
+        "negatives per anchor": f"{negatives} ({which})",
     }
     accelerator.print(
         run_setup.run_banner(

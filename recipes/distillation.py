@@ -161,7 +161,7 @@ def count_items(batch):
 
 
 def training_step(model, teacher, batch, distill):
-    """The micro-batch's loss summed over its assistant tokens (the window divides once by its count of all of them)."""
+    """The micro-batch's loss summed over its assistant tokens (the window divides once by their count)."""
     return distill(model, teacher, batch["labels"], **model_inputs(batch))[0]
 
 
@@ -277,9 +277,10 @@ def train(task, args):
     )
     with tracker.paused():  # outside the training time, like every evaluation
         initial_eval = evaluation()
-    accelerator.print(
-        f"before training: eval_divergence {initial_eval['eval_divergence']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
+    before = (
+        f"eval_divergence {initial_eval['eval_divergence']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
     )
+    accelerator.print(f"before training: {before}")
     eval_metrics = initial_eval
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its assistant tokens, on every process

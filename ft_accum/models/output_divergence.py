@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ft_accum.core.distillation_loss import at_least_fp32
-from ft_accum.models.output_loss import LOGITS_PER_CHUNK, OutputLoss, shift_labels
+from ft_accum.models.output_loss import LOGITS_PER_CHUNK, OutputLoss, gradients_formed_in_forward, shift_labels
 
 TokenLosses = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (z_s, z_t, y) [N, V] → [N]
 
@@ -76,15 +76,7 @@ class _LinearDistillationSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w, grad_b = ctx.grads
-        del ctx.grads
-        w_dtype, b_dtype = ctx.dtypes
-        return (
-            grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None,
-            (grad_w * grad_loss).to(w_dtype) if grad_w is not None else None,
-            (grad_b * grad_loss).to(b_dtype) if grad_b is not None else None,
-            *(None,) * 6,
-        )
+        return (*gradients_formed_in_forward(ctx, grad_loss), *(None,) * 6)
 
 
 def linear_distillation_sum(

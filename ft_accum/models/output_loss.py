@@ -36,6 +36,19 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
     return F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
 
 
+def gradients_formed_in_forward(ctx, grad_loss: torch.Tensor) -> tuple:
+    """The backward of a loss whose gradients with respect to (hidden, weight, bias) its forward formed and
+    kept in `ctx.grads` (weight and bias in fp32; their dtypes in `ctx.dtypes`): each times the incoming one."""
+    grad_h, grad_w, grad_b = ctx.grads
+    del ctx.grads
+    w_dtype, b_dtype = ctx.dtypes
+    return (
+        grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None,
+        (grad_w * grad_loss).to(w_dtype) if grad_w is not None else None,
+        (grad_b * grad_loss).to(b_dtype) if grad_b is not None else None,
+    )
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     """Σ CE(hidden Wᵀ + bias, targets), its gradients computed chunk by chunk in the forward pass."""
 
@@ -82,18 +95,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w, grad_b = ctx.grads
-        del ctx.grads
-        w_dtype, b_dtype = ctx.dtypes
-        return (
-            grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None,
-            (grad_w * grad_loss).to(w_dtype) if grad_w is not None else None,
-            (grad_b * grad_loss).to(b_dtype) if grad_b is not None else None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return (*gradients_formed_in_forward(ctx, grad_loss), None, None, None, None)
 
 
 def linear_cross_entropy_sum(
