@@ -40,7 +40,7 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import layer_selection, loading, lora, low_memory
 from ft_accum.models.output_divergence import DistillationLoss
-from ft_accum.training import chat_evaluation, run_setup, training_state
+from ft_accum.training import chat_evaluation, on_policy, run_setup, training_state
 from ft_accum.training.arguments import LoraArguments, run_main
 from ft_accum.training.graceful_stop import GracefulStop
 
@@ -70,14 +70,18 @@ class TaskArguments(LoraArguments):
     beta: float = field(default=0.5, metadata={"help": "GKD's JSD mix: 0 forward KL, 1 reverse KL, between: JSD."})
     temperature: float = field(default=1.0, metadata={"help": "Softmax temperature of both models (> 0)."})
     alpha: float = field(default=0.0, metadata={"help": "Weight of the cross-entropy on the data (1: CE only)."})
+    lmbda: float = field(
+        default=0.0, metadata={"help": "GKD's on-policy share: sequences the student answers itself."}
+    )
+    max_completion_length: int = field(default=64, metadata={"help": "On-policy answers: at most this many tokens."})
     chunked_loss: bool = field(default=True, metadata={"help": "Loss from the hidden states in chunks (exact)."})
     exact_match_max_words: int = field(default=1, metadata={"help": "Exact match on answers of ≤ this many words."})
     max_new_tokens: int = field(default=8, metadata={"help": "Generation length for the exact-match score."})
 
     def __post_init__(self):
         super().__post_init__()
-        distillation_loss.check_distillation_settings(self.beta, self.temperature, self.alpha)
-        for name in ("max_seq_length", "exact_match_max_words", "max_new_tokens"):
+        distillation_loss.check_distillation_settings(self.beta, self.temperature, self.alpha, self.lmbda)
+        for name in ("max_seq_length", "exact_match_max_words", "max_new_tokens", "max_completion_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be ≥ 1, got {getattr(self, name)}")
 
@@ -123,26 +127,15 @@ def build_models(task, args, accelerator):
 def load_conversations(task, args):
     """{split: [conversation, ...]}, every row checked (a list of known roles with an assistant turn)."""
     raw = run_setup.load_splits(task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_instructions(seed))
-    columns = (task.messages_column, task.prompt_column, task.completion_column)
-    formats = {split: chat_data.conversation_format(ds.column_names, *columns) for split, ds in raw.items()}
     raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
-    conversations = {
-        split: [chat_data.to_messages(row, formats[split], *columns) for row in rows] for split, rows in raw.items()
-    }
-    for split, chats in conversations.items():
-        for i, messages in enumerate(chats):
-            chat_data.check_messages(messages, f"{split} row {i + 1}")
-    return conversations
+    return chat_data.conversations_of(raw, task.messages_column, task.prompt_column, task.completion_column)
 
 
 def build_dataloaders(task, args, accelerator, conversations, tokenizer):
     with accelerator.main_process_first():
-        tokenized = {s: chat_data.tokenize_chats(tokenizer, c, task.max_seq_length) for s, c in conversations.items()}
-    for split, chats in tokenized.items():
-        if not chats.rows:
-            raise ConfigError(f"no {split} conversation keeps an assistant token within --max_seq_length; raise it")
+        tokenized = chat_data.tokenize_splits(tokenizer, conversations, task.max_seq_length)
     train_dataloader, eval_dataloader = data_sources.seeded_dataloaders(
-        {split: chats.rows for split, chats in tokenized.items()},
+        {split: on_policy.with_row_index(chats.rows) for split, chats in tokenized.items()},
         chat_data.collate_chats(tokenizer.pad_token_id, packed=False),
         args.per_device_train_batch_size,
         args.per_device_eval_batch_size,
@@ -207,14 +200,36 @@ def build_losses(task, accelerator, model, teacher):
     )
 
 
+def student_answers(task, args, accelerator, model, tokenizer):
+    """--lmbda's on-policy answers, made as each window is fetched (before it is counted)."""
+    collate = chat_data.collate_chats(tokenizer.pad_token_id, packed=False)
+    settings = on_policy.OnPolicy(
+        task.lmbda,
+        args.seed,
+        max_new_tokens=task.max_completion_length,
+        max_length=task.max_seq_length,
+        temperature=task.temperature,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        collate=collate,
+    )
+    return on_policy.StudentAnswers(accelerator, model, settings)
+
+
 def describe_run(task, model, kept, distill, tokenized) -> dict[str, str]:
     """The banner's lines about the student, the loss and the data."""
     student = f"the teacher's layers {kept}" if kept is not None else task.model_name_or_path
-    return {
+    rows = {
         "student": f"{student}: {lora.describe_trainable(model, task.lora_r if task.use_lora else None)}",
         "loss": f"{distillation_loss.describe(task.beta, task.temperature, task.alpha)}; {distill.path}",
         "conversations": f"{len(tokenized['train'].rows)} train / {len(tokenized['validation'].rows)} eval",
     }
+    if task.lmbda:
+        rows["on-policy"] = (
+            f"each sequence with probability {task.lmbda:g} answered by the student itself "
+            f"(≤ {task.max_completion_length} tokens at τ {task.temperature:g}), decided per sequence"
+        )
+    return rows
 
 
 def train(task, args):
@@ -234,6 +249,7 @@ def train(task, args):
     schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     distill, divergence = build_losses(task, accelerator, model, teacher)
+    answers = student_answers(task, args, accelerator, model, tokenizer)
     rows = describe_run(task, model, kept, distill, tokenized)
     mean_tokens = sum(len(r["input_ids"]) for r in tokenized["train"].rows) / len(tokenized["train"].rows)
     accelerator.print(
@@ -259,6 +275,7 @@ def train(task, args):
         scheduler=schedule,
         count_items=count_items,
         unit="assistant tokens",
+        prepare_batch=answers,  # --lmbda: the student's own answers, before the window counts its tokens
     )
     tracker = training_state.RunTracker(
         accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
@@ -296,7 +313,9 @@ def train(task, args):
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
-        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0])
+        tracker.end_update(
+            window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0], **answers.columns()
+        )
         if window.ends_epoch:
             with tracker.paused():
                 eval_metrics = evaluation()

@@ -113,26 +113,14 @@ def build_model(task, args, accelerator):
 
 def load_conversations(task, args):
     """{split: [conversation, ...]}, every row checked (a list of known roles with an assistant turn)."""
-    raw = run_setup.load_splits(
-        task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_instructions(seed=seed)
-    )
-    columns = (task.messages_column, task.prompt_column, task.completion_column)
-    data_formats = {split: chat_data.conversation_format(ds.column_names, *columns) for split, ds in raw.items()}
+    raw = run_setup.load_splits(task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_instructions(seed))
     raw = data_sources.take_first_rows(raw, train=args.max_train_samples, validation=args.max_eval_samples)
-    conversations = {}
-    for split, rows in raw.items():
-        conversations[split] = [chat_data.to_messages(row, data_formats[split], *columns) for row in rows]
-        for i, messages in enumerate(conversations[split]):
-            chat_data.check_messages(messages, f"{split} row {i + 1}")
-    return conversations
+    return chat_data.conversations_of(raw, task.messages_column, task.prompt_column, task.completion_column)
 
 
 def build_dataloaders(task, args, accelerator, conversations, tokenizer):
     with accelerator.main_process_first():
-        tokenized = {s: chat_data.tokenize_chats(tokenizer, c, task.max_seq_length) for s, c in conversations.items()}
-    for split, chats in tokenized.items():
-        if not chats.rows:
-            raise ConfigError(f"no {split} conversation keeps an assistant token within --max_seq_length; raise it")
+        tokenized = chat_data.tokenize_splits(tokenizer, conversations, task.max_seq_length)
     train_rows = tokenized["train"].rows
     if task.packing:
         train_rows = chat_data.pack_chats(train_rows, task.max_seq_length)

@@ -4,7 +4,8 @@
   direct full-batch evaluation of the formula (both models' full logits, Σ ℓ over every assistant token
   ÷ their number), for forward KL, JSD(0.5) and reverse KL, with and without --alpha; a mean of
   micro-batch means (TRL's GKD normalisation) does not;
-- the recipe under 2 DDP processes on rows that do not divide makes the updates of one process;
+- with --lmbda 0.5 the student answers the same sequences, with the same tokens, at every split;
+- the recipe under 2 DDP processes on rows that do not divide, on-policy, makes the updates of one process;
 - bad settings and a student of another vocabulary stop in one line.
 The contract (8 × 1 = 2 × 4 on the recipe's own default, a bit-identical resume) is test_recipe_contract.py's.
 """
@@ -21,7 +22,8 @@ from ft_accum.data import chat_data
 from ft_accum.models.layer_selection import student_from_teacher
 from ft_accum.models.output_divergence import DistillationLoss, full_logits_distillation_sum
 from ft_accum.models.output_loss import shift_labels
-from ft_accum.testing import make_conversations
+from ft_accum.testing import make_conversations, make_tiny_chat_lm
+from ft_accum.training import on_policy
 
 SETTINGS = {
     "forward KL": (0.0, 0.0),
@@ -104,6 +106,34 @@ def test_the_update_over_micro_batches_is_the_full_batch_formula(models_and_batc
     assert relative_error(gradient(student, mean_of_means, pairs), reference) > 1e-3
 
 
+def test_the_student_answers_the_same_sequences_at_every_split(models_and_batches):
+    """λ 0.5 over 21 rows at update 3: which rows the student answers and what it answers, by row,
+    are the same in one micro-batch of 21, in 8, 8, 5, and in 2 (× 10) and 1 (the Accelerator is
+    a single CPU process: sampling runs on the unwrapped model either way)."""
+    from accelerate import Accelerator
+
+    student, _, whole, _, _ = models_and_batches
+    rows = on_policy.unpadded_rows({**whole[0], "row_index": torch.arange(21)})
+    collate = chat_data.collate_chats(0, packed=False)
+    settings = on_policy.OnPolicy(0.5, 7, 12, 48, 1.0, eos_token_id=2, pad_token_id=0, collate=collate)
+    answers = on_policy.StudentAnswers(Accelerator(cpu=True), student, settings)
+    by_split = []
+    for sizes in ([21], [8, 8, 5], [2] * 10 + [1]):
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        answered = [answers(collate(rows[s : s + n]), update=3) for s, n in zip(starts, sizes)]
+        by_split.append(
+            {r["row_index"]: (r["input_ids"], r["labels"]) for b in answered for r in on_policy.unpadded_rows(b)}
+        )
+        assert answers.columns() == {"on_policy_sequences": answers_count(by_split[-1], rows)}
+    assert by_split[0] == by_split[1] == by_split[2]
+    assert 0 < answers_count(by_split[0], rows) < 21, "λ 0.5 answered none or all: the comparison would be empty"
+    assert student.training, "sampling left the student in eval mode"
+
+
+def answers_count(answered, rows):
+    return sum(answered[r["row_index"]][0] != r["input_ids"] for r in rows)
+
+
 @pytest.fixture(scope="module")
 def chat_files(tmp_path_factory):
     path = tmp_path_factory.mktemp("chats")
@@ -121,9 +151,11 @@ def distillation_args(teacher, data, out, **settings):
         ({"student_layers": 3}, "--student_layers must be between 1 and the teacher's 2 layers"),
         ({"beta": 1.5}, "--beta must be in [0, 1]"),
         ({"temperature": 0}, "--temperature must be > 0"),
+        ({"lmbda": 1.5}, "--lmbda must be in [0, 1]"),
+        ({"lmbda": 0.5, "alpha": 0.5}, "add --alpha 0"),
         ({"model_name_or_path": "TINY_GPT2"}, "different vocabularies"),
     ],
-    ids=["student deeper than the teacher", "beta", "temperature", "another vocabulary"],
+    ids=["student deeper than the teacher", "beta", "temperature", "lmbda", "lmbda with alpha", "another vocabulary"],
 )
 def test_bad_settings_are_one_line(tmp_path, chat_lm_dir, tiny_gpt2_dir, chat_files, settings, expected):
     settings = {k: (tiny_gpt2_dir if v == "TINY_GPT2" else v) for k, v in settings.items()}
@@ -135,9 +167,15 @@ def test_bad_settings_are_one_line(tmp_path, chat_lm_dir, tiny_gpt2_dir, chat_fi
 
 @pytest.mark.launch
 def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(tmp_path, chat_lm_dir, chat_files):
-    """21 conversations, forward KL with half cross-entropy, SGD: one process at 8 × 1 (8, 8, 5) and
-    2 processes at 2 × 2 × 2, whose last window is short and uneven (process 1 holds repeats)."""
-    settings = {"optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0, "beta": 0.0, "alpha": 0.5}
+    """21 conversations, forward KL, half of them answered by the student (--lmbda 0.5), SGD: one
+    process at 8 × 1 (8, 8, 5) and 2 processes at 2 × 2 × 2, whose last window is short and uneven
+    (process 1 holds repeats). Equal updates need the same answers, sampled on other processes.
+    The student is the teacher with its EOS row × 60: a divergence far from 0 (a student of the
+    teacher's own layers is within 1e-4 of it, where fp32 cancellation alone is 1e-5 relative), and
+    answers that stop early at some positions and run to the limit at others."""
+    student = make_tiny_chat_lm(tmp_path / "student", eos_scale=60.0)
+    settings = {"optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 0, "beta": 0.0, "alpha": 0.0, "lmbda": 0.5,
+                "model_name_or_path": str(student), "max_completion_length": 8}  # fmt: skip
     one, ddp = tmp_path / "one", tmp_path / "ddp"
     results = run_in_process(
         "distillation", distillation_args(chat_lm_dir, chat_files, one, per_device_train_batch_size=8, **settings)
@@ -147,4 +185,6 @@ def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(tmp_pat
            gradient_accumulation_steps=2, **settings), num_processes=2)  # fmt: skip
     assert json.loads((ddp / "all_results.json").read_text())["num_processes"] == 2
     assert [m["samples_seen"] for m in read_metrics(ddp)] == [8, 16, 21]
+    answered = [m["on_policy_sequences"] for m in read_metrics(ddp)]
+    assert answered == [m["on_policy_sequences"] for m in read_metrics(one)] and 0 < sum(answered) < 21
     assert_same_run(ddp, one)

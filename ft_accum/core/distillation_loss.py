@@ -29,13 +29,19 @@ import torch.nn.functional as F
 from ft_accum.core.errors import ConfigError
 
 
-def check_distillation_settings(beta: float, temperature: float, alpha: float) -> None:
-    """β and α are mixing weights in [0, 1]; τ must be positive."""
-    for name, value in (("--beta", beta), ("--alpha", alpha)):
+def check_distillation_settings(beta: float, temperature: float, alpha: float, lmbda: float = 0.0) -> None:
+    """β, α and λ are fractions in [0, 1]; τ must be positive. Cross-entropy (α) is on the data's
+    answers: with λ > 0 some answers are the student's own, and it would teach the student its samples."""
+    for name, value in (("--beta", beta), ("--alpha", alpha), ("--lmbda", lmbda)):
         if not 0 <= value <= 1:
             raise ConfigError(f"{name} must be in [0, 1], got {value} (0 and 1 are the two ends of the mix)")
     if not temperature > 0:
         raise ConfigError(f"--temperature must be > 0, got {temperature} (1 leaves the distributions as they are)")
+    if lmbda and alpha:
+        raise ConfigError(
+            f"--lmbda {lmbda} trains on the student's own answers, where --alpha {alpha}'s cross-entropy would teach "
+            "the student its samples; add --alpha 0 (GKD's setting)"
+        )
 
 
 def describe(beta: float, temperature: float, alpha: float) -> str:

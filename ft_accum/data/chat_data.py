@@ -202,6 +202,29 @@ def tokenize_chats(tokenizer, conversations: list[list], max_length: int) -> Tok
     return TokenizedChats(rows, truncated, dropped, shared_system_prompt(conversations))
 
 
+def conversations_of(raw, messages_column: str, prompt_column: str, completion_column: str) -> dict[str, list]:
+    """{split: [conversation, ...]} from loaded splits (`datasets.Dataset`s): each split's format found
+    once (`conversation_format`), every row converted and checked (`check_messages`: known roles, an
+    assistant turn), so a bad row stops the run in one line that names it."""
+    columns = (messages_column, prompt_column, completion_column)
+    conversations = {}
+    for split, rows in raw.items():
+        data_format = conversation_format(rows.column_names, *columns)
+        conversations[split] = [to_messages(row, data_format, *columns) for row in rows]
+        for i, messages in enumerate(conversations[split]):
+            check_messages(messages, f"{split} row {i + 1}")
+    return conversations
+
+
+def tokenize_splits(tokenizer, conversations: dict[str, list], max_length: int) -> dict[str, TokenizedChats]:
+    """`tokenize_chats` of each split; a split left with no assistant token stops in one line."""
+    tokenized = {split: tokenize_chats(tokenizer, chats, max_length) for split, chats in conversations.items()}
+    for split, chats in tokenized.items():
+        if not chats.rows:
+            raise ConfigError(f"no {split} conversation keeps an assistant token within --max_seq_length; raise it")
+    return tokenized
+
+
 def pack_chats(rows: list[dict], max_length: int) -> list[dict]:
     """Conversations in order, several per row up to `max_length` tokens, position ids restarting at 0 for each."""
     packed, current = [], {"input_ids": [], "labels": [], "position_ids": []}
@@ -231,6 +254,8 @@ def collate_chats(pad_token_id: int, packed: bool):
             batch["position_ids"] = torch.tensor([r["position_ids"] + list(range(n)) for r, n in zip(rows, pads)])
         else:
             batch["attention_mask"] = torch.tensor([[1] * len(r["input_ids"]) + [0] * n for r, n in zip(rows, pads)])
+        if "row_index" in rows[0]:  # a sequence's identity, whatever the split (training/on_policy.py)
+            batch["row_index"] = torch.tensor([r["row_index"] for r in rows])
         return batch
 
     return collate

@@ -198,10 +198,13 @@ def accumulation_scheduler(args, plan, batches_per_epoch: int):
     )
 
 
-def train_windows(accelerator, args, train_dataloader, state, *, scheduler, count_items, unit="samples"):
+def train_windows(
+    accelerator, args, train_dataloader, state, *, scheduler, count_items, unit="samples", prepare_batch=None
+):
     """The run's TrainWindows (training/windows.py) over `train_dataloader` from `state`, planned by
     `scheduler` (after its `lr_scheduler(...)`), with the shared arguments' --auto_micro_batch and
-    --measure_noise_scale (a NoiseScaleMeter in `unit`, what `count_items` counts)."""
+    --measure_noise_scale (a NoiseScaleMeter in `unit`, what `count_items` counts); `prepare_batch`
+    rewrites each micro-batch before it is counted (TrainWindows)."""
     from ft_accum.training.noise_meter import NoiseScaleMeter
     from ft_accum.training.windows import TrainWindows
 
@@ -217,6 +220,7 @@ def train_windows(accelerator, args, train_dataloader, state, *, scheduler, coun
         noise=NoiseScaleMeter(parameters, plan, unit) if args.measure_noise_scale else None,
         auto_micro_batch=args.auto_micro_batch,
         tokens_are_items="token" in unit,  # target, assistant, labelled tokens: tokens_seen counts them
+        prepare_batch=prepare_batch,
     )
 
 

@@ -285,6 +285,8 @@ class TrainWindows:
     needs, `Window.extra_counts`). `scheduler` is the run's `AccumulationScheduler`, after its
     `lr_scheduler(accelerator, optimizer)`; `noise` a `NoiseScaleMeter` or None. With `tokens_are_items`
     (a loss that is a mean over tokens) the throughput's tokens are the items; else `count_tokens`'s.
+    `prepare_batch(batch, update)`, when given, rewrites each micro-batch of real rows before the window
+    is counted (GKD's on-policy answers: training/on_policy.py).
     """
 
     def __init__(
@@ -299,7 +301,9 @@ class TrainWindows:
         noise=None,
         auto_micro_batch: bool = False,
         tokens_are_items: bool = False,
+        prepare_batch: Callable[[Any, int], Any] | None = None,
     ):
+        self.prepare_batch = prepare_batch
         self.accelerator, self.train_dataloader, self.state, self.plan = accelerator, train_dataloader, state, plan
         self.count_tokens = None if tokens_are_items else count_tokens
         self.count_items, self.scheduler, self.noise = count_items, scheduler, noise
@@ -328,6 +332,8 @@ class TrainWindows:
             self.plan = self.scheduler.at_window_start(accelerator, self.plan, state, noise=self.noise)
             size = min(self.plan.accumulation * self.plan.micro // self.loader_micro, left)
             fetched = [self._real_part(index, batch) for index, batch in (next(stream) for _ in range(size))]
+            if self.prepare_batch is not None:
+                fetched = [(self.prepare_batch(b, state.step) if real else b, real) for b, real in fetched]
             left -= size
             window = self._window(
                 fetched, ends_epoch=left == 0, epoch_samples=state.epoch_samples + size * self.loader_micro
