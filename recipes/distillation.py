@@ -54,6 +54,10 @@ class TaskArguments(LoraArguments):
     model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "The student. Default: --student_layers of the teacher's own layers."}
     )
+    teacher_load_in_4bit: bool = field(
+        default=False,
+        metadata={"help": "The frozen teacher in NF4 4-bit weights, a quarter of its memory ([lowmem])."},
+    )
     student_layers: Optional[int] = field(
         default=None, metadata={"help": "Layers of the student built from the teacher (default: half of them)."}
     )
@@ -94,7 +98,7 @@ def build_models(task, args, accelerator):
     teacher_name = task.teacher_name_or_path or str(offline_assets.bundled_smollm2_dir())
     if task.load_in_4bit:
         raise ConfigError(
-            "--load_in_4bit: the student trains its own weights here; drop the flag (a 4-bit teacher is not built yet)"
+            "--load_in_4bit: the student trains its weights here; for a 4-bit teacher: --teacher_load_in_4bit"
         )
     if task.use_lora:
         lora.import_peft()  # a missing peft fails before the models load
@@ -102,20 +106,24 @@ def build_models(task, args, accelerator):
     chat_data.resolve_chat_template(tokenizer, None, teacher_name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
-    teacher = run_setup.load_causal_lm(teacher_name, args, accelerator, frozen_base=False)
+    # A student built from the teacher's layers copies them in full precision, then the teacher may be loaded in 4 bits.
+    teacher_4bit = task.teacher_load_in_4bit and task.model_name_or_path is not None
+    teacher = run_setup.load_causal_lm(teacher_name, args, accelerator, frozen_base=False, load_in_4bit=teacher_4bit)
     kept = None
     if task.model_name_or_path:
         student = run_setup.load_causal_lm(task.model_name_or_path, args, accelerator, frozen_base=task.use_lora)
-        student_vocab = loading.load_pretrained(AutoTokenizer, task.model_name_or_path, args.trust_remote_code)
-        if student_vocab.get_vocab() != tokenizer.get_vocab():
-            raise ConfigError(
-                f"the student {task.model_name_or_path} and the teacher {teacher_name} have different vocabularies; "
-                "distillation compares their distributions token by token: pick a student of the teacher's family"
-            )
+        loading.check_same_vocabulary(task.model_name_or_path, tokenizer, teacher_name, args.trust_remote_code)
     else:
         layers = len(layer_selection.decoder_layers(teacher))
         student, kept = layer_selection.student_from_teacher(teacher, task.student_layers or max(1, layers // 2))
-    teacher.requires_grad_(False).eval().to(accelerator.device)  # frozen: no gradients, no optimizer state
+        if task.teacher_load_in_4bit:
+            teacher = run_setup.load_causal_lm(teacher_name, args, accelerator, frozen_base=True, load_in_4bit=True)
+    teacher.requires_grad_(False).eval()  # frozen: no gradients, no optimizer state
+    if not task.teacher_load_in_4bit:  # in the compute dtype (the student has its copy); 4-bit: placed as it loads
+        loading.cast_and_compile(
+            teacher, args.model_dtype, mixed_precision=accelerator.mixed_precision, frozen_base=True
+        )
+        teacher.to(accelerator.device)
     loading.check_context_length(student.config, task.max_seq_length, "--max_seq_length")
     if args.gradient_checkpointing:
         loading.enable_gradient_checkpointing(student)
@@ -200,35 +208,18 @@ def build_losses(task, accelerator, model, teacher):
     )
 
 
-def student_answers(task, args, accelerator, model, tokenizer):
-    """--lmbda's on-policy answers, made as each window is fetched (before it is counted)."""
-    collate = chat_data.collate_chats(tokenizer.pad_token_id, packed=False)
-    settings = on_policy.OnPolicy(
-        task.lmbda,
-        args.seed,
-        max_new_tokens=task.max_completion_length,
-        max_length=task.max_seq_length,
-        temperature=task.temperature,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        collate=collate,
-    )
-    return on_policy.StudentAnswers(accelerator, model, settings)
-
-
-def describe_run(task, model, kept, distill, tokenized) -> dict[str, str]:
-    """The banner's lines about the student, the loss and the data."""
+def describe_run(task, model, teacher, kept, distill, answers, tokenized) -> dict[str, str]:
+    """The banner's lines about the two models, the loss and the data."""
     student = f"the teacher's layers {kept}" if kept is not None else task.model_name_or_path
+    weights = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in teacher.parameters()}))  # 4-bit: uint8
     rows = {
+        "teacher": f"{teacher.config.name_or_path}: frozen, {weights} weights",
         "student": f"{student}: {lora.describe_trainable(model, task.lora_r if task.use_lora else None)}",
         "loss": f"{distillation_loss.describe(task.beta, task.temperature, task.alpha)}; {distill.path}",
         "conversations": f"{len(tokenized['train'].rows)} train / {len(tokenized['validation'].rows)} eval",
     }
     if task.lmbda:
-        rows["on-policy"] = (
-            f"each sequence with probability {task.lmbda:g} answered by the student itself "
-            f"(≤ {task.max_completion_length} tokens at τ {task.temperature:g}), decided per sequence"
-        )
+        rows["on-policy"] = answers.settings.describe()
     return rows
 
 
@@ -249,8 +240,20 @@ def train(task, args):
     schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     distill, divergence = build_losses(task, accelerator, model, teacher)
-    answers = student_answers(task, args, accelerator, model, tokenizer)
-    rows = describe_run(task, model, kept, distill, tokenized)
+    answers = on_policy.StudentAnswers(  # --lmbda: made as each window is fetched, before it is counted
+        accelerator,
+        model,
+        on_policy.OnPolicy(
+            task.lmbda,
+            args.seed,
+            task.max_completion_length,
+            task.max_seq_length,
+            task.temperature,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+        ),
+    )
+    rows = describe_run(task, model, teacher, kept, distill, answers, tokenized)
     mean_tokens = sum(len(r["input_ids"]) for r in tokenized["train"].rows) / len(tokenized["train"].rows)
     accelerator.print(
         run_setup.run_banner(

@@ -115,7 +115,7 @@ def test_the_student_answers_the_same_sequences_at_every_split(models_and_batche
     student, _, whole, _, _ = models_and_batches
     rows = on_policy.unpadded_rows({**whole[0], "row_index": torch.arange(21)})
     collate = chat_data.collate_chats(0, packed=False)
-    settings = on_policy.OnPolicy(0.5, 7, 12, 48, 1.0, eos_token_id=2, pad_token_id=0, collate=collate)
+    settings = on_policy.OnPolicy(0.5, 7, 12, 48, 1.0, eos_token_id=2, pad_token_id=0)
     answers = on_policy.StudentAnswers(Accelerator(cpu=True), student, settings)
     by_split = []
     for sizes in ([21], [8, 8, 5], [2] * 10 + [1]):
@@ -163,6 +163,20 @@ def test_bad_settings_are_one_line(tmp_path, chat_lm_dir, tiny_gpt2_dir, chat_fi
         run_in_process("distillation", distillation_args(chat_lm_dir, chat_files, tmp_path / "out", **settings))
     message = str(exit_info.value.code)
     assert message.startswith("error: ") and expected in message and "\n" not in message, message
+
+
+def test_a_4_bit_teacher_teaches(tmp_path, chat_lm_dir, chat_files, capsys):
+    """--teacher_load_in_4bit: the student is built from the full-precision layers, then the teacher
+    is loaded again in NF4 (the banner reads its weights' dtypes: uint8 holds two 4-bit weights)."""
+    out = tmp_path / "out"
+    results = run_in_process(
+        "distillation", distillation_args(chat_lm_dir, chat_files, out, teacher_load_in_4bit=True, max_train_steps=1)
+    )
+    teacher_line = next(
+        line for line in capsys.readouterr().out.splitlines() if "teacher" in line and "frozen" in line
+    )
+    assert "uint8" in teacher_line, teacher_line
+    assert 0 < results["eval_divergence"] < float("inf") and len(read_metrics(out)) == 1
 
 
 @pytest.mark.launch

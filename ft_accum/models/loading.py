@@ -35,6 +35,19 @@ def load_pretrained(auto_class, name: str, trust_remote_code: bool = False, **kw
         raise ConfigError(f"could not load model {name!r}: {str(exc).strip().splitlines()[0]} ({hint})") from exc
 
 
+def check_same_vocabulary(student_name: str, teacher_tokenizer, teacher_name: str, trust_remote_code: bool) -> None:
+    """Distillation compares two models' distributions token by token: the student's tokenizer must have
+    the teacher's vocabulary (the same token for the same id), or the run stops in one line."""
+    from transformers import AutoTokenizer
+
+    student_tokenizer = load_pretrained(AutoTokenizer, student_name, trust_remote_code)
+    if student_tokenizer.get_vocab() != teacher_tokenizer.get_vocab():
+        raise ConfigError(
+            f"the student {student_name} and the teacher {teacher_name} have different vocabularies; "
+            "distillation compares their distributions token by token: pick a student of the teacher's family"
+        )
+
+
 def cast_and_compile(
     model, model_dtype: str, torch_compile: bool = False, mixed_precision: str = "no", frozen_base: bool = False
 ):

@@ -24,6 +24,7 @@ import torch
 
 from ft_accum.core.distillation_loss import student_samples
 from ft_accum.core.errors import ConfigError
+from ft_accum.data.chat_data import collate_chats
 from ft_accum.training.every_rank import SHARDED
 from ft_accum.training.generation_round import Sampling, round_seed, sample_prompts
 
@@ -31,7 +32,7 @@ from ft_accum.training.generation_round import Sampling, round_seed, sample_prom
 @dataclass(frozen=True)
 class OnPolicy:
     """How the student answers: λ, the run's seed, at most `max_new_tokens` (and `max_length` in all),
-    sampled at `temperature`; `collate` pads the rows again (the recipe's collate function)."""
+    sampled at `temperature`, stopping at `eos_token_id`; rows padded again with `pad_token_id`."""
 
     lmbda: float
     seed: int
@@ -40,7 +41,13 @@ class OnPolicy:
     temperature: float
     eos_token_id: int
     pad_token_id: int
-    collate: object
+
+    def describe(self) -> str:
+        """The banner's on-policy line."""
+        return (
+            f"each sequence with probability {self.lmbda:g} answered by the student itself "
+            f"(≤ {self.max_new_tokens} tokens at τ {self.temperature:g}), decided per sequence"
+        )
 
 
 def with_row_index(rows: list[dict]) -> list[dict]:
@@ -85,7 +92,7 @@ def with_student_answers(accelerator, model, batch: dict, update: int, settings:
         ((answer, _truncated),) = sample_prompts(accelerator, model, [prompt], sampling, seed)[0]
         row["input_ids"], row["labels"] = prompt + answer, [-100] * len(prompt) + answer
     model.train(was_training)
-    answered = settings.collate(rows)
+    answered = collate_chats(settings.pad_token_id, packed=False)(rows)
     return {key: value.to(accelerator.device) for key, value in answered.items()}, sum(chosen)
 
 
