@@ -114,8 +114,7 @@ def build_models(task, args, accelerator):
         student = run_setup.load_causal_lm(task.model_name_or_path, args, accelerator, frozen_base=task.use_lora)
         loading.check_same_vocabulary(task.model_name_or_path, tokenizer, teacher_name, args.trust_remote_code)
     else:
-        layers = len(layer_selection.decoder_layers(teacher))
-        student, kept = layer_selection.student_from_teacher(teacher, task.student_layers or max(1, layers // 2))
+        student, kept = layer_selection.student_from_teacher(teacher, task.student_layers)
         if task.teacher_load_in_4bit:
             teacher = run_setup.load_causal_lm(teacher_name, args, accelerator, frozen_base=True, load_in_4bit=True)
     teacher.requires_grad_(False).eval()  # frozen: no gradients, no optimizer state

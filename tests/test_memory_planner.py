@@ -528,3 +528,38 @@ def test_the_plan_traces_the_recipes_own_step(tmp_path):
     copied = mp.trace_phases(config, recipe=copy, **settings)[0].activations_gradients_temporaries
     # A second forward whose graph the backward needs holds a second set of activations: ~2×.
     assert 1.7 < copied / shipped < 2.3, (copied, shipped)
+
+
+def test_a_distillation_plan_holds_the_teacher_trains_the_student_and_chunks_below_the_full_logits():
+    """--task distillation (recipes/distillation.py): the model is the teacher; its student of half its
+    layers alone has gradients and AdamW state, the frozen teacher only adds its weights. On a 16k
+    vocabulary (4 × 96 positions: 6.3M logits a model, two chunks), the chunked loss peaks below the
+    loss from both full logits, measured on real CPU tensors, and each fake trace is within 5% of its
+    real run. The recommendation is a run the recipe parses, --student_layers included."""
+    from ft_accum.testing import load_recipe
+    from ft_accum.training.arguments import parse_args
+
+    config, m, seq_len = tiny_llama(layers=4), 4, 96
+    config.vocab_size = 16384
+    traced = lambda **settings: mp.trace_micro_batches(  # noqa: E731
+        config, [m], task="distillation", seq_len=seq_len, precision="fp32", **settings
+    )[m][0]
+    chunked, full = traced(), traced(loss_path="logits")
+    student, teacher = (mp.build_model(c, "causal_lm") for c in (mp.student_config(config, None), config))
+    nbytes = lambda model: sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])  # noqa: E731
+    assert chunked.parameters == nbytes(student) + nbytes(teacher)
+    moments = 2 * sum(p.numel() * 4 for p in student.parameters())
+    assert chunked.optimizer_state == moments + 4 * len(list(student.parameters()))  # and a step count per tensor
+    real_chunked, real_full = traced(real_tensors=True), traced(loss_path="logits", real_tensors=True)
+    assert real_chunked.peak < real_full.peak - 2 * 4 * m * seq_len * config.vocab_size  # two fp32 logits fewer
+    assert chunked.peak == pytest.approx(real_chunked.peak, rel=0.05)
+    assert full.peak == pytest.approx(real_full.peak, rel=0.05)
+
+    result = mp.plan(config, task="distillation", seq_len=seq_len, effective_batch_size=16, gpu_memory_gib=12,
+                     precision="fp32", student_layers=3)  # fmt: skip
+    launch = result["launch"]
+    assert "recipes/distillation.py" in launch and "--max_seq_length 96" in launch, launch
+    task, args = parse_args(
+        load_recipe("distillation").TaskArguments, launch.split("recipes/distillation.py ")[1].split()
+    )
+    assert args.effective_batch_size == 16 and task.student_layers == 3 and task.max_seq_length == 96

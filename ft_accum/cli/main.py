@@ -43,6 +43,7 @@ def plan_command(args: argparse.Namespace) -> int:
         preference_loss=args.loss,
         precompute_ref_log_probs=args.precompute_ref_log_probs,
         completion_length=args.completion_length,
+        student_layers=args.student_layers,
         recipe=args.recipe,
     )
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -83,6 +84,9 @@ def format_plan(result: dict) -> str:
         + (
             f"the last {result['completion_length']} tokens' logits (the completion), β = 0, "
             if result["task"] == "grpo"
+            else f"{result['loss_path']} loss, the frozen teacher beside its student of "
+            f"{result.get('student_layers') or 'half its'} layers, "
+            if result["task"] == "distillation"
             else f"{result['loss_path']} loss, "
         )
         + "fused AdamW, "
@@ -178,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="causal_lm",
         choices=memory_planner.TASKS,
         help="preference: recipes/preference_tuning.py, a sample is a pair (two sequences of --seq_len); "
-        "grpo: recipes/grpo.py, a sample is a completion (--seq_len = prompt + completion tokens)",
+        "grpo: recipes/grpo.py, a sample is a completion (--seq_len = prompt + completion tokens); "
+        "distillation: recipes/distillation.py, --model is the teacher, the student --student_layers of its layers",
     )
     plan.add_argument("--seq_len", type=int, default=512, help="tokens per sample (padded length)")
     plan.add_argument("--effective_batch_size", type=int, default=64, help="samples (pairs) per optimizer update")
@@ -198,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="--task grpo: the recipe's --max_completion_length, the tokens scored (default: all of --seq_len)",
+    )
+    plan.add_argument(
+        "--student_layers",
+        type=int,
+        default=None,
+        help="--task distillation: the student's layers, kept from the teacher's (default: half of them)",
     )
     plan.add_argument(
         "--recipe",

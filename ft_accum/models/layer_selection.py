@@ -16,8 +16,10 @@ import torch
 from ft_accum.core.errors import ConfigError
 
 
-def evenly_spaced_layers(num_layers: int, keep: int) -> list[int]:
-    """The indices of `keep` of `num_layers` layers: i_k = round(k (N − 1) / (K − 1)), first and last included."""
+def evenly_spaced_layers(num_layers: int, keep: int | None) -> list[int]:
+    """The indices of `keep` of `num_layers` layers: i_k = round(k (N − 1) / (K − 1)), first and last included;
+    `keep` None: half of them (DistilBERT's share), the distillation recipe's default."""
+    keep = max(1, num_layers // 2) if keep is None else keep
     if not 1 <= keep <= num_layers:
         raise ConfigError(
             f"--student_layers must be between 1 and the teacher's {num_layers} layers, got {keep}; "
@@ -39,7 +41,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     )
 
 
-def student_from_teacher(teacher: torch.nn.Module, keep: int) -> tuple[torch.nn.Module, list[int]]:
+def student_from_teacher(teacher: torch.nn.Module, keep: int | None) -> tuple[torch.nn.Module, list[int]]:
     """(a copy of `teacher` with only the layers `evenly_spaced_layers` picks, their indices). The copy's
     config says its new depth, and each kept attention layer its new position (for the KV cache)."""
     layers = decoder_layers(teacher)
@@ -53,10 +55,23 @@ def student_from_teacher(teacher: torch.nn.Module, keep: int) -> tuple[torch.nn.
         attention = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
         if attention is not None and hasattr(attention, "layer_idx"):
             attention.layer_idx = position
-    config = student.config
+    keep_layers_in_config(student.config, kept)
+    return student, kept
+
+
+def keep_layers_in_config(config, kept: list[int]) -> None:
+    """Make `config` (in place) describe only the `kept` layers: its depth, and each kept layer's attention kind."""
     for name in ("num_hidden_layers", "n_layer"):
         if hasattr(config, name):
             setattr(config, name, len(kept))
     if getattr(config, "layer_types", None) is not None:  # per-layer attention kinds (sliding or full)
         config.layer_types = [config.layer_types[i] for i in kept]
-    return student, kept
+
+
+def student_config(teacher_config, keep: int | None):
+    """The config of `student_from_teacher(teacher, keep)`'s student, without building either model (the
+    planner's trace); `keep` None: half the teacher's layers, as the distillation recipe's default."""
+    layers = getattr(teacher_config, "num_hidden_layers", None) or teacher_config.n_layer
+    config = copy.deepcopy(teacher_config)
+    keep_layers_in_config(config, evenly_spaced_layers(layers, keep))
+    return config

@@ -24,6 +24,11 @@ import torch.nn.functional as F
 from ft_accum.core.distillation_loss import at_least_fp32
 from ft_accum.models.output_loss import LOGITS_PER_CHUNK, OutputLoss, gradients_formed_in_forward, shift_labels
 
+# ℓ holds about ten [chunk, V] fp32 tensors at once (both models' logits, their log-softmaxes and
+# probabilities, the mixture's, the gradient), where cross-entropy holds about three: an eighth of
+# OutputLoss's chunk keeps the peak below the cross-entropy's (16 MiB of logits: 85 positions of a
+# 49k vocabulary per matmul, still a full-width GEMM).
+DISTILLATION_LOGITS_PER_CHUNK = LOGITS_PER_CHUNK // 8
 TokenLosses = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (z_s, z_t, y) [N, V] → [N]
 
 
@@ -87,7 +92,8 @@ def linear_distillation_sum(
     targets: torch.Tensor,
     token_losses: TokenLosses,
     ignore_index: int = -100,
-    logits_per_chunk: int = LOGITS_PER_CHUNK,
+    logits_per_chunk: int = DISTILLATION_LOGITS_PER_CHUNK,
+    trim_to_targets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ_t ℓ(z_s,t, z_t,t, y_t) over targets ≠ ignore_index, their count), no full logits of either model.
 
@@ -96,9 +102,7 @@ def linear_distillation_sum(
     `full_logits_distillation_sum` on the layers' logits up to summation order (tests/test_distillation_loss.py).
     """
     flat_targets = targets.reshape(-1)
-    # The target positions only (one host read per micro-batch): ℓ costs several passes over the vocabulary
-    # per position, and most of a chat's positions are its prompt.
-    index = (flat_targets != ignore_index).nonzero().squeeze(1)
+    index = counted_positions(flat_targets, ignore_index, trim_to_targets)
     loss = _LinearDistillationSum.apply(
         hidden.reshape(-1, hidden.shape[-1])[index],
         output_layer.weight,
@@ -113,13 +117,26 @@ def linear_distillation_sum(
     return loss, index.new_tensor(len(index))
 
 
+def counted_positions(flat_targets: torch.Tensor, ignore_index: int = -100, trim: bool = True) -> torch.Tensor:
+    """The positions whose target counts (one host read per micro-batch): ℓ costs several passes over the
+    vocabulary per position, and most of a chat's positions are its prompt. `trim=False` takes every
+    position, for the planner's fake tensors (which cannot size `nonzero`): its targets all count."""
+    if not trim:
+        return torch.arange(flat_targets.numel(), device=flat_targets.device)
+    return (flat_targets != ignore_index).nonzero().squeeze(1)
+
+
 def full_logits_distillation_sum(
-    logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, token_losses: TokenLosses
+    logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    targets: torch.Tensor,
+    token_losses: TokenLosses,
+    trim_to_targets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same sum from both models' full logits [..., V] (the reference, and the path under FSDP), at the
     target positions only."""
     flat_targets = targets.reshape(-1)
-    index = (flat_targets != -100).nonzero().squeeze(1)
+    index = counted_positions(flat_targets, trim=trim_to_targets)
     losses = token_losses(
         at_least_fp32(logits.reshape(-1, logits.shape[-1])[index]),
         at_least_fp32(teacher_logits.reshape(-1, teacher_logits.shape[-1])[index]),
@@ -138,10 +155,23 @@ class DistillationLoss:
     says the hidden-state path is exact for each model, else from the full logits; `path` says which.
     """
 
-    def __init__(self, unwrapped_model, teacher, *, token_losses: TokenLosses, accelerator=None, enabled: bool = True):
-        self.student = OutputLoss(unwrapped_model, shift=True, accelerator=accelerator, enabled=enabled)
-        self.teacher = OutputLoss(teacher, shift=True, enabled=enabled)
-        self.token_losses = token_losses
+    def __init__(
+        self,
+        unwrapped_model,
+        teacher,
+        *,
+        token_losses: TokenLosses,
+        accelerator=None,
+        enabled: bool = True,
+        check_logits: bool = True,
+        trim_to_targets: bool = True,
+    ):
+        # check_logits and trim_to_targets off: the planner's trace (fake tensors have no values; see OutputLoss).
+        self.student = OutputLoss(
+            unwrapped_model, shift=True, accelerator=accelerator, enabled=enabled, check_logits=check_logits
+        )
+        self.teacher = OutputLoss(teacher, shift=True, enabled=enabled, check_logits=check_logits)
+        self.token_losses, self.trim_to_targets = token_losses, trim_to_targets
 
     @property
     def path(self) -> str:
@@ -155,10 +185,18 @@ class DistillationLoss:
         if not (self.student.chunked and self.teacher.chunked):
             with torch.no_grad():
                 teacher_logits = teacher(**inputs).logits
-            return full_logits_distillation_sum(model(**inputs).logits, teacher_logits, targets, self.token_losses)
+            return full_logits_distillation_sum(
+                model(**inputs).logits, teacher_logits, targets, self.token_losses, self.trim_to_targets
+            )
         with torch.no_grad():
             teacher_hidden = self.teacher.hidden_states(teacher, **inputs)
         hidden = self.student.hidden_states(model, **inputs)
         return linear_distillation_sum(
-            hidden, self.student.layer, teacher_hidden, self.teacher.layer, targets, self.token_losses
+            hidden,
+            self.student.layer,
+            teacher_hidden,
+            self.teacher.layer,
+            targets,
+            self.token_losses,
+            trim_to_targets=self.trim_to_targets,
         )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, replace
@@ -40,6 +41,7 @@ import torch
 
 from ft_accum.core.batch_arithmetic import micro_batches_for
 from ft_accum.core.errors import ConfigError
+from ft_accum.models.layer_selection import student_config
 from ft_accum.models.loading import check_context_length, enable_gradient_checkpointing
 
 GIB = 2**30
@@ -59,7 +61,16 @@ NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
 # compute (`relative_throughput`); `ft-accum plan --gpu_tflops/--pcie_gbps` override them.
 ASSUMED_GPU_TFLOPS = 12.0  # sustained bf16 training throughput of a 12 GB consumer card, at full utilisation
 ASSUMED_PCIE_GBPS = 20.0  # pinned host↔GPU copies over PCIe 4.0 x16 (31.5 GB/s in theory)
-TASKS = ("causal_lm", "text_classification", "token_classification", "seq2seq", "preference", "grpo", "contrastive")
+TASKS = (
+    "causal_lm",
+    "text_classification",
+    "token_classification",
+    "seq2seq",
+    "preference",
+    "grpo",
+    "contrastive",
+    "distillation",
+)
 # Preference tuning's reference while it trains (recipes/preference_tuning.py): the policy with its LoRA
 # adapters off, a frozen copy (full DPO), or none (SimPO, ORPO, DPO with --precompute_ref_log_probs).
 PREFERENCE_LOSSES = ("dpo", "simpo", "orpo")
@@ -197,6 +208,7 @@ def build_model(config, task: str, dtype: torch.dtype = torch.float32):
         "causal_lm": AutoModelForCausalLM,
         "preference": AutoModelForCausalLM,
         "grpo": AutoModelForCausalLM,
+        "distillation": AutoModelForCausalLM,
         "text_classification": AutoModelForSequenceClassification,
         "token_classification": AutoModelForTokenClassification,
         "seq2seq": AutoModelForSeq2SeqLM,
@@ -233,6 +245,8 @@ def example_batch(
         batch["labels"] = torch.zeros(micro_batch_size, dtype=torch.long)
     elif task == "token_classification":
         batch["labels"] = torch.zeros_like(ids)
+    elif task == "distillation":  # a chat batch whose every token is an assistant token: the most a row can count
+        batch["labels"] = ids
     elif task == "contrastive":  # recipes/contrastive_embedding.py's columns: an anchor and its positive per pair
         batch = {f"{c}_{k}": v for c in ("anchor", "positive") for k, v in batch.items()}
     else:  # the decoder sees as many tokens as the encoder; the recipe's collator shifts its inputs
@@ -315,6 +329,11 @@ def recipe_step(task: str, recipe: str | Path | None, loss: str):
     module = load_recipe_module(recipe_path(task, recipe))
     if task == "contrastive":  # GradCache's replay: the micro-batch's embeddings times their cached gradients
         return lambda model, batch, reference: sum((e * torch.ones_like(e)).sum() for e in module.embed(model, batch))
+    if task == "distillation":  # the recipe's loss on the teacher (`reference`), at its parsed defaults
+        task_args = recipe_arguments(module, ["--config", "none"])[0]
+        return lambda model, batch, teacher: module.training_step(
+            model, teacher, batch, traced_distillation_loss(model, teacher, loss, task_args)
+        )
     if task == "grpo":
         task_args = recipe_arguments(module, ["--config", "none", "--beta", "0"])[0]
         return lambda model, batch, reference: module.training_step(task_args, None, model, None, batch)[0]
@@ -341,6 +360,21 @@ def traced_output_loss(model, loss: str, shift: bool = True):
     from ft_accum.models.output_loss import OutputLoss
 
     return OutputLoss(model, shift=shift, enabled=loss == "chunked", check_logits=False, trim_to_targets=False)
+
+
+def traced_distillation_loss(model, teacher, loss: str, task_args):
+    """The distillation recipe's `DistillationLoss` for the trace, at its β, τ and α: chunked through both
+    output layers ("chunked") or from both full logits ("logits"); unchecked and untrimmed as
+    `traced_output_loss` (every position of the example batch is an assistant token)."""
+    from ft_accum.core.distillation_loss import distillation_token_losses
+    from ft_accum.models.output_divergence import DistillationLoss
+
+    token_losses = functools.partial(
+        distillation_token_losses, beta=task_args.beta, temperature=task_args.temperature, alpha=task_args.alpha
+    )
+    return DistillationLoss(
+        model, teacher, token_losses=token_losses, enabled=loss == "chunked", check_logits=False, trim_to_targets=False
+    )
 
 
 def preference_step(model, batch: dict, loss: str, reference=None) -> torch.Tensor:
@@ -436,6 +470,7 @@ def trace_micro_batches(
     preference_loss: str = "dpo",
     precompute_ref_log_probs: bool = False,
     completion_length: int | None = None,
+    student_layers: int | None = None,
     recipe: str | Path | None = None,
     real_tensors: bool = False,
     accounting: dict | None = None,
@@ -468,6 +503,10 @@ def trace_micro_batches(
 
     `task="grpo"`: a micro-batch of m completions of `seq_len` tokens (prompt + completion), the
     last `completion_length` of them scored (the recipe's step), at β = 0 (no reference: the recipe's default).
+
+    `task="distillation"`: `config` is the teacher's; the student of `student_layers` of its layers (default
+    half, `layer_selection.student_config`) trains, and the frozen teacher, in the compute dtype, runs its
+    forward beside it (counted with the parameters); every token of a row is an assistant token.
     """
     FakeTensorMode, _ = torch_internals()
     if precision not in PRECISIONS:
@@ -486,7 +525,8 @@ def trace_micro_batches(
     torch.manual_seed(0)
     config = copy.deepcopy(config)  # the model shares it, and checkpointing sets use_cache on it below
     with contextlib.nullcontext() if real_tensors else FakeTensorMode():
-        model = build_model(config, task, weight_dtype(precision, lora_r, load_in_4bit))
+        trained_config = student_config(config, student_layers) if task == "distillation" else config
+        model = build_model(trained_config, task, weight_dtype(precision, lora_r, load_in_4bit))
         if gradient_checkpointing:
             if hasattr(model.config, "use_cache"):
                 model.config.use_cache = False
@@ -521,6 +561,9 @@ def trace_micro_batches(
             else:
                 reference = build_model(config, task, next(model.parameters()).dtype).requires_grad_(False).eval()
                 copies = [reference]
+        if task == "distillation":  # frozen in the compute dtype, as the recipe casts it (frozen_base)
+            reference = build_model(config, task, weight_dtype(precision, 1, False)).requires_grad_(False).eval()
+            copies = [reference]
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = build_optimizer(optimizer, trainable)
@@ -737,6 +780,7 @@ def plan(
     preference_loss: str = "dpo",
     precompute_ref_log_probs: bool = False,
     completion_length: int | None = None,
+    student_layers: int | None = None,
     recipe: str | Path | None = None,
 ) -> dict[str, Any]:
     """Every exact split of the effective batch, with and without checkpointing: predicted peak, fit, speed.
@@ -757,6 +801,8 @@ def plan(
     anchor and a positive of `seq_len` tokens each), and every candidate holds the update's embedding
     cache (`embedding_cache_bytes`). Its speed leaves out GradCache's extra forward of each micro-batch:
     the same for every split but the one of a single micro-batch, which skips it.
+    `task="distillation"` plans recipes/distillation.py: `model` is the teacher, the student its
+    `student_layers` (default half); a sample is a conversation of `seq_len` tokens, all counted.
     """
     if preference_loss not in PREFERENCE_LOSSES:
         raise ConfigError(f"--loss must be one of {', '.join(PREFERENCE_LOSSES)}, got {preference_loss!r}")
@@ -772,6 +818,8 @@ def plan(
         if task == "preference"
         else {"completion_length": min(completion_length or seq_len, seq_len - 1)}  # a prompt has ≥ 1 token
         if task == "grpo"
+        else {"student_layers": student_layers}
+        if task == "distillation"
         else {}
     )
     settings = {
@@ -823,6 +871,11 @@ def plan(
                     needed, gradient_checkpointing=checkpointing, offload_activations=True
                 )
     flops_per_token = training_flops_per_token(config, task, trains_base_weights=not lora_r)
+    if task == "distillation":  # the student trains (6N), the teacher runs its forward (2N)
+        flops_per_token = (
+            training_flops_per_token(student_config(config, student_layers), task, trains_base_weights=not lora_r)
+            + training_flops_per_token(config, task, trains_base_weights=False) / 2
+        )  # 2N of a frozen model's 4N
     rows = []
     for (checkpointing, offloaded), estimates in sorted(predicted.items()):
         for micro, estimate in estimates.items():
@@ -906,6 +959,7 @@ SEQUENCE_FLAG = {
     "preference": "--max_seq_length",
     "grpo": "--max_completion_length",
     "contrastive": "--max_seq_length",
+    "distillation": "--max_seq_length",
 }
 
 
@@ -968,6 +1022,8 @@ def recipe_flags(settings: dict) -> list[str]:
         flags.append(f"--loss={settings['preference_loss']}")
     if settings.get("precompute_ref_log_probs"):
         flags.append("--precompute_ref_log_probs")
+    if settings.get("student_layers"):
+        flags.append(f"--student_layers={settings['student_layers']}")
     return flags
 
 
