@@ -40,6 +40,7 @@ def tiny_llama(layers=2):
         ("qwen2.5-0.5b", "causal_lm", 494.0),
         ("qwen2.5-1.5b", "causal_lm", 1543.7),
         ("llama-3.1-8b", "causal_lm", 8030.3),
+        ("smollm2-135m", "causal_lm", 134.5),
     ],
 )
 def test_shipped_configs_have_the_published_sizes(name, task, published_millions):
