@@ -12,6 +12,7 @@ The contract (8 × 1 = 2 × 4 on the recipe's own default, a bit-identical resum
 
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,18 +166,28 @@ def test_bad_settings_are_one_line(tmp_path, chat_lm_dir, tiny_gpt2_dir, chat_fi
     assert message.startswith("error: ") and expected in message and "\n" not in message, message
 
 
-def test_a_4_bit_teacher_teaches(tmp_path, chat_lm_dir, chat_files, capsys):
+def test_a_4_bit_teacher_teaches_and_the_student_exports_to_gguf(tmp_path, chat_lm_dir, chat_files, capsys):
     """--teacher_load_in_4bit: the student is built from the full-precision layers, then the teacher
-    is loaded again in NF4 (the banner reads its weights' dtypes: uint8 holds two 4-bit weights)."""
+    is loaded again in NF4 (the banner reads its weights' dtypes: uint8 holds two 4-bit weights).
+    The student (one of the teacher's two layers) is a Llama like any other: `ft-accum export` writes
+    its GGUF and checks it in llama.cpp against transformers."""
+    from ft_accum.cli.main import main
+    from ft_accum.export import llamacpp_check
+
     out = tmp_path / "out"
     results = run_in_process(
         "distillation", distillation_args(chat_lm_dir, chat_files, out, teacher_load_in_4bit=True, max_train_steps=1)
     )
-    teacher_line = next(
-        line for line in capsys.readouterr().out.splitlines() if "teacher" in line and "frozen" in line
-    )
+    banner = capsys.readouterr().out.splitlines()
+    teacher_line = next(line for line in banner if "teacher" in line and "frozen" in line)
     assert "uint8" in teacher_line, teacher_line
     assert 0 < results["eval_divergence"] < float("inf") and len(read_metrics(out)) == 1
+    assert main(["export", str(out), "--format", "gguf", "--outtype", "f32"]) == 0
+    (entry,) = json.loads((out / "exports.json").read_text())["exports"]
+    assert Path(entry["file"]).stat().st_size > 0
+    assert "recipes/distillation.py" in (out / "final" / "README.md").read_text()
+    if llamacpp_check.llamacpp_available():
+        assert entry["verification"].startswith("llama.cpp: greedy top-1 identical"), entry["verification"]
 
 
 @pytest.mark.launch
