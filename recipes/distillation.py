@@ -7,7 +7,8 @@ The student learns the teacher's whole next-token distribution at every assistan
 token the data has: forward KL (Hinton et al. 2015), reverse KL, or GKD's generalized Jensen-Shannon
 divergence between them (--beta: 0 forward, 1 reverse; Agarwal et al. 2024), at --temperature (with
 Hinton's τ² factor), and --alpha of the ordinary cross-entropy mixed in (1: cross-entropy only, the
-comparison that says whether distillation is worth it). Each update is the sum over its assistant
+comparison that says whether distillation is worth it). --lmbda: GKD's share of sequences the student
+answers itself, decided and sampled per sequence; --teacher_load_in_4bit: the teacher in NF4. Each update is the sum over its assistant
 tokens on every micro-batch and process, divided once by their number; neither model's full logits
 are ever built (ft_accum/models/output_divergence.py).
 
@@ -207,6 +208,20 @@ def build_losses(task, accelerator, model, teacher):
     )
 
 
+def student_answers(task, args, accelerator, model, tokenizer):
+    """--lmbda's on-policy answers, made as each window is fetched (before its tokens are counted)."""
+    settings = on_policy.OnPolicy(
+        task.lmbda,
+        args.seed,
+        task.max_completion_length,
+        task.max_seq_length,
+        task.temperature,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
+    return on_policy.StudentAnswers(accelerator, model, settings)
+
+
 def describe_run(task, model, teacher, kept, distill, answers, tokenized) -> dict[str, str]:
     """The banner's lines about the two models, the loss and the data."""
     student = f"the teacher's layers {kept}" if kept is not None else task.model_name_or_path
@@ -239,19 +254,7 @@ def train(task, args):
     schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
     lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     distill, divergence = build_losses(task, accelerator, model, teacher)
-    answers = on_policy.StudentAnswers(  # --lmbda: made as each window is fetched, before it is counted
-        accelerator,
-        model,
-        on_policy.OnPolicy(
-            task.lmbda,
-            args.seed,
-            task.max_completion_length,
-            task.max_seq_length,
-            task.temperature,
-            tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
-        ),
-    )
+    answers = student_answers(task, args, accelerator, model, tokenizer)
     rows = describe_run(task, model, teacher, kept, distill, answers, tokenized)
     mean_tokens = sum(len(r["input_ids"]) for r in tokenized["train"].rows) / len(tokenized["train"].rows)
     accelerator.print(

@@ -329,10 +329,9 @@ def recipe_step(task: str, recipe: str | Path | None, loss: str):
     module = load_recipe_module(recipe_path(task, recipe))
     if task == "contrastive":  # GradCache's replay: the micro-batch's embeddings times their cached gradients
         return lambda model, batch, reference: sum((e * torch.ones_like(e)).sum() for e in module.embed(model, batch))
-    if task == "distillation":  # the recipe's loss on the teacher (`reference`), at its parsed defaults
-        task_args = recipe_arguments(module, ["--config", "none"])[0]
+    if task == "distillation":  # the recipe's step on the student and the teacher (`reference`)
         return lambda model, batch, teacher: module.training_step(
-            model, teacher, batch, traced_distillation_loss(model, teacher, loss, task_args)
+            model, teacher, batch, traced_distillation_loss(model, teacher, loss)
         )
     if task == "grpo":
         task_args = recipe_arguments(module, ["--config", "none", "--beta", "0"])[0]
@@ -362,16 +361,15 @@ def traced_output_loss(model, loss: str, shift: bool = True):
     return OutputLoss(model, shift=shift, enabled=loss == "chunked", check_logits=False, trim_to_targets=False)
 
 
-def traced_distillation_loss(model, teacher, loss: str, task_args):
-    """The distillation recipe's `DistillationLoss` for the trace, at its β, τ and α: chunked through both
-    output layers ("chunked") or from both full logits ("logits"); unchecked and untrimmed as
-    `traced_output_loss` (every position of the example batch is an assistant token)."""
+def traced_distillation_loss(model, teacher, loss: str):
+    """The distillation recipe's `DistillationLoss` for the trace, chunked through both output layers
+    ("chunked") or from both full logits ("logits"); unchecked and untrimmed as `traced_output_loss`
+    (every position of the example batch is an assistant token). ℓ is the costliest the recipe can
+    run, an upper bound: the JSD (both KLs against the mixture) with cross-entropy mixed in."""
     from ft_accum.core.distillation_loss import distillation_token_losses
     from ft_accum.models.output_divergence import DistillationLoss
 
-    token_losses = functools.partial(
-        distillation_token_losses, beta=task_args.beta, temperature=task_args.temperature, alpha=task_args.alpha
-    )
+    token_losses = functools.partial(distillation_token_losses, beta=0.5, temperature=1.0, alpha=0.5)
     return DistillationLoss(
         model, teacher, token_losses=token_losses, enabled=loss == "chunked", check_logits=False, trim_to_targets=False
     )
