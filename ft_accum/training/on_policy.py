@@ -75,12 +75,13 @@ def unpadded_rows(batch: dict) -> list[dict]:
 @torch.no_grad()
 def with_student_answers(accelerator, model, batch: dict, update: int, settings: OnPolicy) -> tuple[dict, int]:
     """(`batch` with the on-policy rows' last answer replaced by the student's own, how many rows
-    that is); a batch with none comes back as it was. The student samples in eval mode (no dropout)."""
+    that is); a batch with none comes back as it was. The student samples in eval mode (no dropout).
+    A prompt that leaves no room under `max_length` keeps the data's answer."""
     rows = unpadded_rows(batch)
     chosen = student_samples(settings.seed, update, [row["row_index"] for row in rows], settings.lmbda)
     if not any(chosen):
         return batch, 0
-    was_training = model.training
+    was_training, answered = model.training, 0
     model.eval()
     for row, on_policy in zip(rows, chosen):
         prompt = row["input_ids"][: last_answer_start(row["labels"])]
@@ -91,9 +92,10 @@ def with_student_answers(accelerator, model, batch: dict, update: int, settings:
         seed = round_seed(settings.seed, update, row["row_index"])
         ((answer, _truncated),) = sample_prompts(accelerator, model, [prompt], sampling, seed)[0]
         row["input_ids"], row["labels"] = prompt + answer, [-100] * len(prompt) + answer
+        answered += 1
     model.train(was_training)
-    answered = collate_chats(settings.pad_token_id, packed=False)(rows)
-    return {key: value.to(accelerator.device) for key, value in answered.items()}, sum(chosen)
+    batch = collate_chats(settings.pad_token_id, packed=False)(rows)
+    return {key: value.to(accelerator.device) for key, value in batch.items()}, answered
 
 
 class StudentAnswers:
