@@ -15,7 +15,7 @@ the first group's keys): that path is untried here, not shown to fail.
 
 `recipe_runs.py RUNS.json EXITS.json` goes on past a run that ends in an error (SystemExit, as the
 recipes leave on a refusal), and the main process writes each run's exit to EXITS.json: a list of
-{"recipe", "code" (0 when it finished), "message"}. A refusal that every rank makes at the same
+{"recipe", "code" (0 when it finished), "message", "seconds"}. A refusal that every rank makes at the same
 point leaves the group in step; a crash on one rank alone does not, and the launch fails.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -37,6 +38,7 @@ def run_all(runs: list[tuple[str, list[str]]], exits_path: Path | None = None) -
     recipes, exits = {}, []
 
     def run(name, argv):
+        started = time.perf_counter()
         if name not in recipes:
             recipes[name] = load_recipe(name)
         try:
@@ -47,6 +49,7 @@ def run_all(runs: list[tuple[str, list[str]]], exits_path: Path | None = None) -
                 raise  # an error leaves with SystemExit, as the recipe alone would
             code = exc.code if isinstance(exc.code, int) else 1
             exits.append({"recipe": name, "code": code, "message": "" if isinstance(exc.code, int) else str(exc.code)})
+        exits[-1]["seconds"] = round(time.perf_counter() - started, 1)  # where a launch's time goes
 
     with mock.patch.object(PartialState, "destroy_process_group", lambda self, group=None: None):
         for name, argv in runs[:-1]:

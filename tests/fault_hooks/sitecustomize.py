@@ -88,7 +88,10 @@ if os.environ.get("FT_ACCUM_TEST_FSDP_ON_CPU") == "1":
 if os.environ.get("FT_ACCUM_TEST_NUM_LAYERS"):
     from ft_accum.cli.check import first_layers_only as _first_layers_only
 
-    _first_layers_only(int(os.environ["FT_ACCUM_TEST_NUM_LAYERS"])).__enter__()  # for the whole process
+    # Held for the whole process: a context manager nobody holds is collected at once, and its
+    # generator's `finally` would put the whole models back (it did, unseen, until 2026-12-06).
+    _LAYERS_CUT = _first_layers_only(int(os.environ["FT_ACCUM_TEST_NUM_LAYERS"]))
+    _LAYERS_CUT.__enter__()
 
 if os.environ.get("FT_ACCUM_TEST_SMOLLM2_DIR"):
     import ft_accum.data.offline_assets as _assets
