@@ -50,7 +50,7 @@ from ft_accum.training.graceful_stop import GracefulStop
 class TaskArguments(LoraArguments):
     teacher_name_or_path: Optional[str] = field(
         default=None,
-        metadata={"help": "The teacher: a local dir (a run's final/) or hub name. Default: SmolLM2-135M."},
+        metadata={"help": "The teacher: a run's final/ (a LoRA adapter: merged into its base) or hub name."},
     )
     model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "The student. Default: --student_layers of the teacher's own layers."}

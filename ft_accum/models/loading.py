@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -15,6 +17,15 @@ def check_model_path(name: str) -> None:
         raise ConfigError(
             f"--model_name_or_path {name} does not exist; pass a folder holding config.json, or a hub name"
         )
+
+
+def lora_adapter_base(name: str) -> str | None:
+    """The base model of a LoRA adapter folder (a LoRA run's final/: adapter_config.json, no config.json),
+    or None for anything else."""
+    folder = Path(os.path.expanduser(name))
+    if not (folder / "adapter_config.json").is_file() or (folder / "config.json").is_file():
+        return None
+    return json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
 
 
 def load_pretrained(auto_class, name: str, trust_remote_code: bool = False, **kwargs):
@@ -96,7 +107,8 @@ def load_causal_lm(
     load_in_4bit: bool = False,
 ):
     """AutoModelForCausalLM `name`, its base in NF4 4-bit weights with `load_in_4bit` (QLoRA; bitsandbytes
-    quantizes it as it loads, on this process's device), then `cast_and_compile`."""
+    quantizes it as it loads, on this process's device), then `cast_and_compile`. A LoRA adapter folder
+    (`lora_adapter_base`) loads as its base with the adapter merged in."""
     from transformers import AutoModelForCausalLM
 
     quantized = {}
@@ -105,7 +117,20 @@ def load_causal_lm(
 
         quantized = {"quantization_config": quantization_config(accelerator.mixed_precision)}
         quantized["device_map"] = {"": accelerator.device}
-    model = load_pretrained(AutoModelForCausalLM, name, trust_remote_code, **quantized)
+    base = lora_adapter_base(name)
+    if base is None:
+        model = load_pretrained(AutoModelForCausalLM, name, trust_remote_code, **quantized)
+    elif load_in_4bit:
+        raise ConfigError(
+            f"{name} is a LoRA adapter, which 4-bit weights cannot take merged in; merge it first (the run's "
+            "--merge_lora writes final_merged/) and pass that folder"
+        )
+    else:  # a LoRA run's final/: its base with the adapter merged in, a plain model from here on
+        from ft_accum.models.lora import import_peft
+
+        model = load_pretrained(AutoModelForCausalLM, base, trust_remote_code)
+        # peft froze the base to train the adapter: unfrozen, it is a plain loaded model again.
+        model = import_peft().PeftModel.from_pretrained(model, name).merge_and_unload().requires_grad_(True)
     return cast_and_compile(model, model_dtype, torch_compile, accelerator.mixed_precision, frozen_base=frozen_base)
 
 
