@@ -190,41 +190,36 @@ def test_a_4_bit_teacher_teaches_and_the_student_exports_to_gguf(tmp_path, chat_
         assert entry["verification"].startswith("llama.cpp: greedy top-1 identical"), entry["verification"]
 
 
-def test_a_lora_runs_final_folder_teaches_as_its_base_with_the_adapter_merged(tmp_path, chat_lm_dir, chat_files):
-    """--teacher_name_or_path RUN/final of a LoRA run (adapter_config.json, no config.json): the teacher is
-    the base with the adapter merged in (the same logits as peft's unmerged pair, not the base's), and a
-    4-bit teacher from it is refused in one line (4-bit weights cannot take the merge)."""
+def test_a_lora_runs_final_folder_loads_as_its_base_with_the_adapter_merged(tmp_path, chat_lm_dir):
+    """--teacher_name_or_path RUN/final of a LoRA run (adapter_config.json, no config.json) goes through
+    the recipes' `load_causal_lm`: the base with the adapter merged in (peft's unmerged pair's logits,
+    not the base's), every weight trainable again (a student built from it trains), and a 4-bit load
+    of it is refused in one line (4-bit weights cannot take the merge)."""
     import peft
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ft_accum.core.errors import ConfigError
     from ft_accum.models.loading import load_causal_lm
 
     adapter = tmp_path / "final"
+    base = AutoModelForCausalLM.from_pretrained(chat_lm_dir).eval()
     pair = peft.get_peft_model(
         AutoModelForCausalLM.from_pretrained(chat_lm_dir), peft.LoraConfig(r=4, init_lora_weights=False)
     )
     pair.save_pretrained(adapter)
     AutoTokenizer.from_pretrained(chat_lm_dir).save_pretrained(adapter)
-    load = functools.partial(load_causal_lm, accelerator=Accelerator(cpu=True), model_dtype="float32",
-                             torch_compile=False, trust_remote_code=False, frozen_base=True)  # fmt: skip
+    load = functools.partial(load_causal_lm, str(adapter), Accelerator(cpu=True), model_dtype="float32",
+                             torch_compile=False, trust_remote_code=False, frozen_base=False)  # fmt: skip
+    merged = load()
+    assert all(p.requires_grad for p in merged.parameters()) and not hasattr(merged, "peft_config")
     ids = torch.tensor([[1, 5, 9, 200, 3000]])
     with torch.no_grad():
-        merged, base = (
-            load(str(adapter)).eval()(ids).logits,
-            AutoModelForCausalLM.from_pretrained(chat_lm_dir)(ids).logits,
-        )
-        assert torch.allclose(merged, pair.eval()(ids).logits, atol=1e-5) and not torch.allclose(
-            merged, base, atol=1e-3
-        )
-    out = tmp_path / "out"
-    results = run_in_process("distillation", distillation_args(adapter, chat_files, out, max_train_steps=1))
-    assert 0 < results["eval_divergence"] < float("inf")
-    with pytest.raises(SystemExit) as exit_info:
-        run_in_process(
-            "distillation", distillation_args(adapter, chat_files, tmp_path / "q", teacher_load_in_4bit=True)
-        )
-    assert "is a LoRA adapter" in str(exit_info.value.code) and "final_merged" in str(exit_info.value.code)
+        logits = merged.eval()(ids).logits
+        assert torch.allclose(logits, pair.eval()(ids).logits, atol=1e-5)
+        assert not torch.allclose(logits, base(ids).logits, atol=1e-3)
+    with pytest.raises(ConfigError, match="is a LoRA adapter.*final_merged"):
+        load(load_in_4bit=True)
 
 
 @pytest.mark.launch
