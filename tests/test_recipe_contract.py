@@ -12,6 +12,8 @@ A new recipe that follows the guide passes without this file edited. Each recipe
 own test file.
 """
 
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -83,11 +85,13 @@ def test_a_copy_whose_sample_runs_on_the_main_process_only_fails_the_fsdp_check(
             "validation": write_jsonl(tmp_path / "val.jsonl", make_documents(4, seed=12))}  # fmt: skip
     flags = [f for f in tiny_lm_args(tiny_llama_dir, data, tmp_path / "unused") if not f.startswith("--output_dir")]
     flags += ["--generate_prompt", "the bank", "--max_new_tokens", "3", "--ddp_timeout", "10"]
-    # Check 4 alone (checks 1-3 are the contract test's, on the shipped recipe): the copy fails it ...
-    copied = end_of_run_under_fsdp(copy, flags, tmp_path / "copy", rows=20, eval_rows=4, num_layers=None)
+    # Check 4 alone (checks 1-3 are the contract test's, on the shipped recipe), on the copy and on the
+    # shipped recipe at once: the copy's launch mostly waits out --ddp_timeout, the other's runs meanwhile.
+    check_4 = functools.partial(end_of_run_under_fsdp, flags=flags, rows=20, eval_rows=4, num_layers=None)
+    with ThreadPoolExecutor(2) as pool:
+        copied = pool.submit(check_4, copy, work=tmp_path / "copy")
+        shipped = pool.submit(check_4, ROOT / "recipes" / "causal_lm.py", work=tmp_path / "shipped")
+        copied, shipped = copied.result(), shipped.result()
+    # The copy fails it, and the shipped recipe with the same flags passes: the failure is the bug, not the flags.
     assert not copied.passed and "a process stopped joining collective operations" in copied.measured, copied
-    # ... and the shipped recipe, with the same flags, passes it: the failure is the bug, not the flags.
-    shipped = end_of_run_under_fsdp(
-        ROOT / "recipes" / "causal_lm.py", flags, tmp_path / "shipped", rows=20, eval_rows=4, num_layers=None
-    )
     assert shipped.passed, shipped
