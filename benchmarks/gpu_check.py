@@ -37,6 +37,11 @@ torch, transformers, accelerate, peft, and this project's [demo] data packages, 
    sizes, LoRA r 16, bf16, 8 prompts × G 8 completions of ≤256 tokens a round, 16 × 4: the planner's
    peak (task grpo) against the run's peak outside generation (pass: 0.90–1.10), and generation's
    seconds per round, tokens per second and peak at 8 prompts a generate() call and at 1 (reported).
+8. distillation (run only when asked: --checks ...,8): recipes/distillation.py, a random teacher of
+   SmolLM2-135M-Instruct's sizes (its tokenizer and chat template) and the default student of half its
+   layers, bf16, the BBC instructions at --max_seq_length 512, 8 × 2, 3 updates: the planner's peak
+   (task distillation, the widest training micro-batch the run built) against the run's CUDA peak
+   (pass: 0.90–1.10), and the run's tokens per second (reported).
 
 The 12 GB table's low-memory cells (bf16 weights with 8-bit AdamW; QLoRA's 4-bit base) need
 bitsandbytes, the [lowmem] extra: carry its wheel to a GPU machine that lacks it. Paged optimizers
@@ -742,6 +747,79 @@ def check_grpo(models: Path, smollm2: Path | None, dry_run: bool) -> Iterator[di
         }
 
 
+class WidestDistillationBatch:
+    """Records the widest micro-batch recipes/distillation.py trains on (its loss called with gradients
+    on: not the held-out passes): the sequence length the planner must be given."""
+
+    def __init__(self):
+        from ft_accum.models import output_divergence
+
+        self.module, self.original, self.seq_len = output_divergence, output_divergence.DistillationLoss.__call__, 0
+
+    def __enter__(self):
+        original = self.original
+
+        def measured(loss, model, teacher, labels, **inputs):
+            if torch.is_grad_enabled():
+                self.seq_len = max(self.seq_len, inputs["input_ids"].shape[1])
+            return original(loss, model, teacher, labels, **inputs)
+
+        self.module.DistillationLoss.__call__ = measured
+        return self
+
+    def __exit__(self, *exc):
+        self.module.DistillationLoss.__call__ = self.original
+
+
+def check_distillation(models: Path, smollm2: Path | None, dry_run: bool) -> Iterator[dict]:
+    """recipes/distillation.py (see the module docstring's check 8): the planner's peak against the run's."""
+    from transformers import AutoConfig
+
+    from ft_accum.planner.memory_planner import trace_micro_batches
+    from ft_accum.testing import make_tiny_chat_lm
+
+    micro, accumulation, max_length = 8, 2, 512
+    if dry_run:  # the tests' 2-layer, 32-wide Llama: a smoke test of the run, not figures
+        smollm2 = make_tiny_chat_lm(models / "tiny-chat-distillation")
+        micro, accumulation, max_length = 2, 2, 256
+    else:
+        from ft_accum.data.offline_assets import bundled_smollm2_dir
+
+        smollm2 = smollm2 or bundled_smollm2_dir()
+    teacher = random_model_dir(
+        AutoConfig.from_pretrained(smollm2), "causal_lm", models / "smollm2-135m-teacher", smollm2
+    )
+    args = [
+        f"--teacher_name_or_path={teacher}",
+        f"--per_device_train_batch_size={micro}",
+        f"--effective_batch_size={micro * accumulation}",
+        f"--max_seq_length={max_length}",
+        "--max_train_steps=3",
+        f"--max_train_samples={3 * micro * accumulation}",
+        "--max_eval_samples=2",
+        "--max_new_tokens=1",
+        "--learning_rate=1e-4",
+        "--lr_scaling=none",
+    ]
+    with WidestDistillationBatch() as widest:
+        _, measured, records = recipe_run("distillation", args, "bf16")
+    rate = steady_median([r["tokens_per_second"] for r in records])
+    config = AutoConfig.from_pretrained(teacher)
+    traced = trace_micro_batches(config, [micro], task="distillation", seq_len=widest.seq_len, precision="bf16-mixed")
+    predicted = max(e.peak for e in traced[micro]) / 2**30
+    ratio = predicted / measured if measured > 0 else float("nan")
+    yield {
+        "check": f"distillation planner / recipe peak, SmolLM2-135M sizes teaching half its layers, {micro} × "
+        f"{widest.seq_len} tokens, bf16",
+        "predicted_gib": predicted,
+        "measured_gib": measured,
+        "tokens_per_second": rate,
+        "measured": f"{predicted:.2f} / {measured:.2f} GiB = {ratio:.3f}; {rate:,.0f} tokens/s",
+        "bound": "0.90–1.10",
+        "pass": dry_run or 0.9 <= ratio <= 1.1,
+    }
+
+
 def run_check(
     number: int, models: Path, minilm: Path, dry_run: bool, cell_filter: str, smollm2: Path | None = None
 ) -> Iterable[dict]:
@@ -766,7 +844,9 @@ def run_check(
         return check_instruction_tuning(models, dry_run=dry_run)
     if number == 7:
         return check_grpo(models, smollm2, dry_run=dry_run)
-    raise ValueError(f"no check {number}: the checks are 1 to 7")
+    if number == 8:
+        return check_distillation(models, smollm2, dry_run=dry_run)
+    raise ValueError(f"no check {number}: the checks are 1 to 8")
 
 
 def main():
@@ -776,7 +856,7 @@ def main():
     parser.add_argument(
         "--checks",
         default="1,2,3,4,5",
-        help="which checks to run, in this order (6, 7: only when named), e.g. 3 or 2,4,3: to split a long run",
+        help="which checks to run, in this order (6, 7, 8: only when named), e.g. 3 or 2,4,3: to split a long run",
     )
     parser.add_argument("--cells", default="", help="with check 3: only the cells whose name contains this text")
     parser.add_argument(
@@ -788,7 +868,7 @@ def main():
     parser.add_argument(
         "--smollm2_dir",
         type=Path,
-        help="with check 7: SmolLM2-135M-Instruct's config and tokenizer (the GPU machine's copy from "
+        help="with checks 7 and 8: SmolLM2-135M-Instruct's config and tokenizer (the GPU machine's copy from "
         "benchmarks/gpu_prepare.py), instead of the bundled model's folder; the weights are random either way",
     )
     args = parser.parse_args()

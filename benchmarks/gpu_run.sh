@@ -4,10 +4,10 @@
 # On the GPU machine (the device tool's `run`, with carry [".gpu"] from benchmarks/gpu_prepare.py),
 # from the repository root: installs the carried wheels beside the machine's own torch, transformers,
 # accelerate and peft, prints what it runs on, then runs benchmarks/gpu_check.py on CHECKS (default
-# 2,4,3,1,5,6,7: the planner and throughput first) for at most SECONDS (default 540). The results file,
+# 2,4,3,1,5,6,7,8: the planner and throughput first) for at most SECONDS (default 540). The results file,
 # rewritten after every row, and the log go to $OUT (else benchmarks/results/).
 set -uo pipefail
-checks=${1:-2,4,3,1,5,6,7}
+checks=${1:-2,4,3,1,5,6,7,8}
 seconds=${2:-540}
 out=${OUT:-benchmarks/results}
 name="gpu_check_${checks//,/-}"
