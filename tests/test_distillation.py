@@ -131,6 +131,22 @@ def test_the_student_answers_the_same_sequences_at_every_split(models_and_batche
     assert student.training, "sampling left the student in eval mode"
 
 
+def test_on_policy_under_a_sharded_engine_on_several_processes_is_refused():
+    """Each rank samples its own rows, one generate() each: a sharded model would wait for ever."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from ft_accum.core.errors import ConfigError
+
+    settings = on_policy.OnPolicy(0.5, 0, 8, 64, 1.0, eos_token_id=2, pad_token_id=0)
+    for engine in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        with pytest.raises(ConfigError, match="sharded engine.*multi_gpu_ddp.yaml"):
+            on_policy.StudentAnswers(SimpleNamespace(distributed_type=engine, num_processes=2), None, settings)
+    one_process = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=1)
+    assert on_policy.StudentAnswers(one_process, None, settings).settings is settings
+
+
 def answers_count(answered, rows):
     return sum(answered[r["row_index"]][0] != r["input_ids"] for r in rows)
 
