@@ -868,12 +868,13 @@ def plan(
                 predicted[(checkpointing, True)] = predict(
                     needed, gradient_checkpointing=checkpointing, offload_activations=True
                 )
-    flops_per_token = training_flops_per_token(config, task, trains_base_weights=not lora_r)
-    if task == "distillation":  # the student trains (6N), the teacher runs its forward (2N)
+    if task == "distillation":  # the student trains (6N), the teacher runs its forward (2N of a frozen model's 4N)
         flops_per_token = (
             training_flops_per_token(student_config(config, student_layers), task, trains_base_weights=not lora_r)
             + training_flops_per_token(config, task, trains_base_weights=False) / 2
-        )  # 2N of a frozen model's 4N
+        )
+    else:
+        flops_per_token = training_flops_per_token(config, task, trains_base_weights=not lora_r)
     rows = []
     for (checkpointing, offloaded), estimates in sorted(predicted.items()):
         for micro, estimate in estimates.items():
