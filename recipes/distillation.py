@@ -8,9 +8,9 @@ token the data has: forward KL (Hinton et al. 2015), reverse KL, or GKD's genera
 divergence between them (--beta: 0 forward, 1 reverse; Agarwal et al. 2024), at --temperature (with
 Hinton's τ² factor), and --alpha of the ordinary cross-entropy mixed in (1: cross-entropy only, the
 comparison that says whether distillation is worth it). --lmbda: GKD's share of sequences the student
-answers itself, decided and sampled per sequence; --teacher_load_in_4bit: the teacher in NF4. Each update is the sum over its assistant
-tokens on every micro-batch and process, divided once by their number; neither model's full logits
-are ever built (ft_accum/models/output_divergence.py).
+answers itself, decided and sampled per sequence; --teacher_load_in_4bit: the teacher in NF4. Each
+update is the sum over its assistant tokens on every micro-batch and process, divided once by their
+number; neither model's full logits are ever built (ft_accum/models/output_divergence.py).
 
 With no flags the teacher is the bundled SmolLM2-135M-Instruct and the student its own 15 evenly
 spaced layers of 30 (--student_layers; DistilBERT's start, no second download), trained on the BBC
@@ -107,7 +107,7 @@ def build_models(task, args, accelerator):
     chat_data.resolve_chat_template(tokenizer, None, teacher_name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of the loss, so any id will do
-    # A student built from the teacher's layers copies them in full precision, then the teacher may be loaded in 4 bits.
+    # A student built from the teacher's layers copies them in full precision; then the teacher may load in 4 bits.
     teacher_4bit = task.teacher_load_in_4bit and task.model_name_or_path is not None
     teacher = run_setup.load_causal_lm(teacher_name, args, accelerator, frozen_base=False, load_in_4bit=teacher_4bit)
     kept = None
