@@ -40,7 +40,7 @@ from transformers import AutoTokenizer
 from ft_accum.core import grpo_loss
 from ft_accum.core.errors import ConfigError
 from ft_accum.data import chat_data, data_sources, offline_assets, rewards
-from ft_accum.models import loading, lora
+from ft_accum.models import loading, lora, low_memory
 from ft_accum.training import every_rank, generation_round, run_setup, training_state
 from ft_accum.training.arguments import LoraArguments, run_main
 from ft_accum.training.graceful_stop import GracefulStop
@@ -155,12 +155,12 @@ def load_prompts(task, args, tokenizer) -> dict[str, list[dict]]:
 
 
 @torch.no_grad()
-def evaluate(task, accelerator, model, tokenizer, rows, functions, weights) -> dict:
+def evaluate(task, args, accelerator, model, tokenizer, rows, functions, weights) -> dict:
     """The mean reward of greedy answers to the held-out prompts, on all processes together."""
     model.eval()
     total = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     for chunk, real in every_rank.rank_batches(
-        list(range(len(rows))), accelerator.process_index, accelerator.num_processes, 8
+        list(range(len(rows))), accelerator.process_index, accelerator.num_processes, args.per_device_eval_batch_size
     ):
         prompts = [generation_round.Completion(i, 0, rows[i]["prompt_ids"], [], False) for i in chunk]
         batch = generation_round.completion_batch(prompts, tokenizer.pad_token_id, accelerator.device)
@@ -236,6 +236,7 @@ def train(task, args):
         if getattr(args, flag):
             raise ConfigError(f"--{flag}: grpo sizes each update from its round of completions; drop the flag")
     accelerator, plan = run_setup.build_accelerator(task, args, "grpo", loss_weighted_by="tokens")
+    offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
     with accelerator.main_process_first():  # the first run converts the bundled GGUF once, on one process
         model, reference, tokenizer = build_model(task, args, accelerator)
@@ -277,7 +278,7 @@ def train(task, args):
     tracker = training_state.RunTracker(
         accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
-    evaluate_prompts = functools.partial(evaluate, task, accelerator, model, tokenizer, splits["validation"])
+    evaluate_prompts = functools.partial(evaluate, task, args, accelerator, model, tokenizer, splits["validation"])
     with tracker.paused():  # outside the training time, like every evaluation
         eval_metrics = initial_eval = evaluate_prompts(*rewarding)
     accelerator.print(f"before training: eval_reward {initial_eval['eval_reward']:.3f}")
@@ -308,7 +309,7 @@ def train(task, args):
     for window in train_windows:  # one update from a round; window.num_items: its completions or tokens, all processes
         logs = torch.zeros(4, device=accelerator.device)  # clipped, entropy, KL, counted tokens
         for batch in window:
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model), offload:
                 loss_sum, micro_logs = training_step(task, accelerator, model, reference, batch)
                 accelerator.backward(loss_sum * window.scale)  # scale = N·P / the update's items (--loss_type)
                 window.add_loss(loss_sum)

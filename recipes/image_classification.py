@@ -146,7 +146,7 @@ def load_raw_data(task, args):
     return raw, data_sources.label_names(raw, task.label_column)
 
 
-def build_dataloaders(task, args, raw, processor, label_names):
+def build_dataloaders(task, args, raw, processor, label_names, pixel_dtype):
     is_class_label = hasattr(raw["train"].features[task.label_column], "names")
     label_ids = {name: i for i, name in enumerate(label_names)}
     size = (processor.size["height"], processor.size["width"])
@@ -171,7 +171,8 @@ def build_dataloaders(task, args, raw, processor, label_names):
 
     def collate(rows):
         return {
-            "pixel_values": torch.stack([r["pixel_values"] for r in rows]),
+            # In the weights' dtype: a bf16 model (--model_dtype bfloat16) takes bf16 images, not fp32 ones.
+            "pixel_values": torch.stack([r["pixel_values"] for r in rows]).to(pixel_dtype),
             "labels": torch.tensor([r["labels"] for r in rows]),
         }
 
@@ -226,7 +227,7 @@ def train(task, args):
     # Before the optimizer sees the parameters: --batchnorm groupnorm replaces modules.
     if notice := norm.apply_batchnorm_policy(model, task.batchnorm, plan.accumulation, plan.processes):
         accelerator.print(notice)
-    train_dataloader, eval_dataloader = build_dataloaders(task, args, raw, processor, label_names)
+    train_dataloader, eval_dataloader = build_dataloaders(task, args, raw, processor, label_names, model.dtype)
     run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
     optimizer = run_setup.build_optimizer(model, args=args, plan=plan, no_decay=NO_DECAY)
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(

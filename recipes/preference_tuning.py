@@ -42,7 +42,7 @@ from transformers import AutoTokenizer
 from ft_accum.core import preference_loss
 from ft_accum.core.errors import ConfigError
 from ft_accum.data import chat_data, data_sources, offline_assets
-from ft_accum.models import loading, lora
+from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
 from ft_accum.training import reference_log_probs, run_setup, training_state
 from ft_accum.training.arguments import LoraArguments, run_main
@@ -243,6 +243,7 @@ def pair_dataloaders(task, args, accelerator, tokenizer, pairs):
 
 def train(task, args):
     accelerator, plan = run_setup.build_accelerator(task, args, "preference_tuning", loss_weighted_by="tokens")
+    offload = low_memory.offload_activations(args.offload_activations, accelerator.device)
     set_seed(args.seed)
 
     pairs = load_pairs(task, args)
@@ -305,7 +306,7 @@ def train(task, args):
     for window in train_windows:  # one optimizer update; window.num_items: its pairs, on every process
         rewards = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # chosen, rejected, correct, pairs
         for batch in window:
-            with accelerator.accumulate(model), window.retry_on_out_of_memory():
+            with accelerator.accumulate(model), offload, window.retry_on_out_of_memory():
                 terms = forward(batch, reference=references["train"], reference_loss=reference_loss)
                 # ORPO's NLL is a mean over the window's chosen tokens, its odds-ratio term a mean over pairs:
                 # weighing the NLL by pairs / chosen tokens makes the window's pair mean exact for both.
