@@ -42,9 +42,8 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.training import every_rank, run_outputs, run_setup, training_state
+from ft_accum.training import every_rank, run_outputs, run_setup
 from ft_accum.training.arguments import LoraArguments, run_main
-from ft_accum.training.graceful_stop import GracefulStop
 
 
 @dataclass
@@ -238,8 +237,6 @@ def train(task, args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
-    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
     )
@@ -249,23 +246,22 @@ def train(task, args):
         "sequences": f"{len(train_dataloader.dataset)} train / {len(eval_dataloader.dataset)} eval, {layout}",
         "loss": output_loss.path,
     }
-    accelerator.print(
-        run_setup.run_banner(
-            accelerator, args, plan, schedule.windows, mean_tokens, rows, "sequences", model=model, optimizer=optimizer
-        )
-    )
-
-    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
-    train_windows = run_setup.train_windows(
-        accelerator, args, train_dataloader, state, scheduler=schedule, count_items=count_items, unit="target tokens"
-    )
-    tracker = training_state.RunTracker(
-        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+    train_windows, lr_scheduler, tracker = run_setup.start_training(
+        accelerator,
+        args,
+        plan,
+        model=model,
+        optimizer=optimizer,
+        train_dataloader=train_dataloader,
+        count_items=count_items,
+        unit="target tokens",
+        sample_unit="sequences",
+        banner_rows=rows,
+        mean_tokens_per_sample=mean_tokens,
     )
     with tracker.paused():  # outside the training time, like every evaluation
         initial_eval = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
     accelerator.print(f"before training: eval_perplexity {initial_eval['eval_perplexity']:.2f}")
-    eval_metrics = initial_eval
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its target tokens, on every process
         for batch in window:
@@ -280,16 +276,12 @@ def train(task, args):
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
-        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0])
+        tracker.end_update(window, grad_norm=grad_norm)
         if window.ends_epoch:
-            with tracker.paused():
-                eval_metrics = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
-            tracker.log_evaluation(eval_metrics)
+            tracker.evaluate(evaluate_perplexity, model, eval_dataloader, accelerator, output_loss)
     initial = {"initial_eval_perplexity": initial_eval["eval_perplexity"]}
     extras = lambda: save_extras(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
-    return tracker.finish(
-        model, tokenizer=tokenizer, plan=train_windows.plan, after_save=extras, **eval_metrics, **initial
-    )
+    return tracker.finish(model, tokenizer=tokenizer, after_save=extras, **initial)
 
 
 def main(argv=None):

@@ -42,10 +42,9 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import data_sources, offline_assets
 from ft_accum.data.text_columns import PadEachColumn, tokenize_columns
 from ft_accum.models import loading, low_memory, sentence_embedding
-from ft_accum.training import run_setup, training_state
+from ft_accum.training import run_setup
 from ft_accum.training.arguments import run_main
 from ft_accum.training.embedding_cache import EmbeddingCache
-from ft_accum.training.graceful_stop import GracefulStop
 
 
 @dataclass
@@ -179,31 +178,28 @@ def train(task, args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
-    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     negatives = contrastive_loss.negatives_per_anchor(plan.effective, hard_negatives)
     which = "the update's other positives" + (" and every hard negative" if hard_negatives else "")
     rows = {
         "train / eval pairs": f"{len(raw['train'])} / {len(raw['validation'])}",
         "negatives per anchor": f"{negatives} ({which})",
     }
-    accelerator.print(
-        run_setup.run_banner(
-            accelerator, args, plan, schedule.windows, mean_tokens, rows, "pairs", model=model, optimizer=optimizer
-        )
-    )
-
-    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
-    train_windows = run_setup.train_windows(
-        accelerator, args, train_dataloader, state, scheduler=schedule, count_items=count_items, unit="pairs"
-    )
-    tracker = training_state.RunTracker(
-        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+    train_windows, lr_scheduler, tracker = run_setup.start_training(
+        accelerator,
+        args,
+        plan,
+        model=model,
+        optimizer=optimizer,
+        train_dataloader=train_dataloader,
+        count_items=count_items,
+        unit="pairs",
+        sample_unit="pairs",
+        banner_rows=rows,
+        mean_tokens_per_sample=mean_tokens,
     )
     with tracker.paused():  # outside the training time, like every evaluation
         initial_eval = evaluate_model(model, eval_dataloader, accelerator)
     accelerator.print(f"before training: eval_mrr@10 {initial_eval['eval_mrr@10']:.4f}")
-    eval_metrics = initial_eval  # until an epoch ends
     losses = functools.partial(contrastive_loss.contrastive_losses, scale=task.scale, symmetric=task.symmetric)
     cache = EmbeddingCache(accelerator, lambda batch: embed(model, batch), losses)
     model.train()
@@ -223,17 +219,13 @@ def train(task, args):
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
-        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0])
+        tracker.end_update(window, grad_norm=grad_norm)
         if window.ends_epoch:
-            with tracker.paused():
-                eval_metrics = evaluate_model(model, eval_dataloader, accelerator)
-            tracker.log_evaluation(eval_metrics)
+            tracker.evaluate(evaluate_model, model, eval_dataloader, accelerator)
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     hidden_size = accelerator.unwrap_model(model).config.hidden_size
     final_files = sentence_embedding.sentence_transformers_files(hidden_size, task.max_seq_length)
-    return tracker.finish(
-        model, tokenizer=tokenizer, plan=train_windows.plan, final_files=final_files, **eval_metrics, **initial
-    )
+    return tracker.finish(model, tokenizer=tokenizer, final_files=final_files, **initial)
 
 
 def main(argv=None):

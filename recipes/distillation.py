@@ -41,9 +41,8 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import layer_selection, loading, lora, low_memory
 from ft_accum.models.output_divergence import DistillationLoss
-from ft_accum.training import chat_evaluation, on_policy, run_setup, training_state
+from ft_accum.training import chat_evaluation, on_policy, run_setup
 from ft_accum.training.arguments import LoraArguments, run_main
-from ft_accum.training.graceful_stop import GracefulStop
 
 
 @dataclass
@@ -251,39 +250,23 @@ def train(task, args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
-    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     distill, divergence = build_losses(task, accelerator, model, teacher)
     answers = student_answers(task, args, accelerator, model, tokenizer)
     rows = describe_run(task, model, teacher, kept, distill, answers, tokenized)
     mean_tokens = sum(len(r["input_ids"]) for r in tokenized["train"].rows) / len(tokenized["train"].rows)
-    accelerator.print(
-        run_setup.run_banner(
-            accelerator,
-            args,
-            plan,
-            schedule.windows,
-            mean_tokens,
-            rows,
-            "conversations",
-            model=model,
-            optimizer=optimizer,
-        )
-    )
-
-    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
-    train_windows = run_setup.train_windows(
+    train_windows, lr_scheduler, tracker = run_setup.start_training(
         accelerator,
         args,
-        train_dataloader,
-        state,
-        scheduler=schedule,
+        plan,
+        model=model,
+        optimizer=optimizer,
+        train_dataloader=train_dataloader,
         count_items=count_items,
         unit="assistant tokens",
+        sample_unit="conversations",
+        banner_rows=rows,
+        mean_tokens_per_sample=mean_tokens,
         prepare_batch=answers,  # --lmbda: the student's own answers, before the window counts its tokens
-    )
-    tracker = training_state.RunTracker(
-        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
     )
     evaluation = functools.partial(
         evaluate,
@@ -303,7 +286,6 @@ def train(task, args):
         f"eval_divergence {initial_eval['eval_divergence']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
     )
     accelerator.print(f"before training: {before}")
-    eval_metrics = initial_eval
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its assistant tokens, on every process
         for batch in window:
@@ -318,15 +300,11 @@ def train(task, args):
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
-        tracker.end_update(
-            window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0], **answers.columns()
-        )
+        tracker.end_update(window, grad_norm=grad_norm, **answers.columns())
         if window.ends_epoch:
-            with tracker.paused():
-                eval_metrics = evaluation()
-            tracker.log_evaluation(eval_metrics)
+            tracker.evaluate(evaluation)
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
-    return tracker.finish(model, tokenizer=tokenizer, plan=train_windows.plan, **eval_metrics, **initial)
+    return tracker.finish(model, tokenizer=tokenizer, **initial)
 
 
 def main(argv=None):

@@ -41,9 +41,8 @@ from ft_accum.core import grpo_loss
 from ft_accum.core.errors import ConfigError
 from ft_accum.data import chat_data, data_sources, offline_assets, rewards
 from ft_accum.models import loading, lora, low_memory
-from ft_accum.training import every_rank, generation_round, run_setup, training_state
+from ft_accum.training import every_rank, generation_round, run_setup
 from ft_accum.training.arguments import LoraArguments, run_main
-from ft_accum.training.graceful_stop import GracefulStop
 
 
 @dataclass
@@ -260,28 +259,12 @@ def train(task, args):
         loraplus_lr_ratio=task.loraplus_lr_ratio,
     )
     model, optimizer = accelerator.prepare(model, optimizer)
-    batches_per_epoch = layout.rounds_per_epoch * layout.passes * plan.accumulation
-    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=batches_per_epoch)
-    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     banner_rows = {
         "round": f"{layout.prompts} prompts × {task.num_generations} = {layout.completions} completions, "
         f"{layout.updates} update(s); {min(task.generation_prompts_per_call, layout.prompts)} per generate() call",
         "loss": f"{task.loss_type}, {task.importance_sampling_level}-level ratio",
         "trainable": lora.describe_trainable(model, task.lora_r if task.use_lora else None),
     }
-    banner = run_setup.run_banner(
-        accelerator, args, plan, schedule.windows, None, banner_rows, "completions", model=model, optimizer=optimizer
-    )
-    accelerator.print(banner)
-
-    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
-    tracker = training_state.RunTracker(
-        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
-    )
-    evaluate_prompts = functools.partial(evaluate, task, args, accelerator, model, tokenizer, splits["validation"])
-    with tracker.paused():  # outside the training time, like every evaluation
-        eval_metrics = initial_eval = evaluate_prompts(*rewarding)
-    accelerator.print(f"before training: eval_reward {initial_eval['eval_reward']:.3f}")
     sampling = generation_round.Sampling(
         task.num_generations,
         task.max_completion_length,
@@ -294,17 +277,33 @@ def train(task, args):
     sample = functools.partial(
         sample_round, task, accelerator, model, tokenizer, splits["train"], rewarding, sampling, layout, seed=args.seed
     )
-    train_windows = generation_round.RoundWindows(
+    count_items = lambda batch: grpo_loss.loss_items(task.loss_type, batch["completion_mask"])  # noqa: E731
+    # Each update's window comes from a sampled round, not from a dataloader.
+    rounds = functools.partial(
+        generation_round.RoundWindows,
         accelerator,
-        state,
-        plan,
-        layout,
-        scheduler=schedule,
+        plan=plan,
+        layout=layout,
         num_prompts=len(splits["train"]),
         seed=args.seed,
         sample=sample,
-        count_items=lambda batch: grpo_loss.loss_items(task.loss_type, batch["completion_mask"]),
+        count_items=count_items,
     )
+    train_windows, lr_scheduler, tracker = run_setup.start_training(
+        accelerator,
+        args,
+        plan,
+        model=model,
+        optimizer=optimizer,
+        sample_unit="completions",
+        banner_rows=banner_rows,
+        batches_per_epoch=layout.rounds_per_epoch * layout.passes * plan.accumulation,
+        make_windows=rounds,
+    )
+    evaluate_prompts = functools.partial(evaluate, task, args, accelerator, model, tokenizer, splits["validation"])
+    with tracker.paused():  # outside the training time, like every evaluation
+        initial_eval = evaluate_prompts(*rewarding)
+    accelerator.print(f"before training: eval_reward {initial_eval['eval_reward']:.3f}")
     model.train()
     for window in train_windows:  # one update from a round; window.num_items: its completions or tokens, all processes
         logs = torch.zeros(4, device=accelerator.device)  # clipped, entropy, KL, counted tokens
@@ -321,14 +320,10 @@ def train(task, args):
                 lr_scheduler.step()
                 optimizer.zero_grad()
         columns = generation_round.update_metrics(accelerator, window, logs, functions)
-        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0], **columns)
+        tracker.end_update(window, grad_norm=grad_norm, **columns)
         if window.ends_epoch:
-            with tracker.paused():
-                eval_metrics = evaluate_prompts(*rewarding)
-            tracker.log_evaluation(eval_metrics)
-    return tracker.finish(
-        model, tokenizer=tokenizer, plan=plan, **eval_metrics, initial_eval_reward=initial_eval["eval_reward"]
-    )
+            tracker.evaluate(evaluate_prompts, *rewarding)
+    return tracker.finish(model, tokenizer=tokenizer, initial_eval_reward=initial_eval["eval_reward"])
 
 
 def main(argv=None):

@@ -37,9 +37,8 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import data_sources, offline_assets
 from ft_accum.data.metrics import load_metric
 from ft_accum.models import loading, low_memory, norm
-from ft_accum.training import run_setup, training_state
+from ft_accum.training import run_setup
 from ft_accum.training.arguments import run_main
-from ft_accum.training.graceful_stop import GracefulStop
 
 # transformers ≥ 5 has the PIL backend, which needs no torchvision, as a class of its own.
 ImageProcessor = getattr(transformers, "ViTImageProcessorPil", transformers.ViTImageProcessor)
@@ -233,24 +232,18 @@ def train(task, args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
-    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     rows = {"train / eval images": f"{len(raw['train'])} / {len(raw['validation'])}", "BatchNorm": task.batchnorm}
-    accelerator.print(
-        run_setup.run_banner(
-            accelerator, args=args, plan=plan, windows=schedule.windows, extra=rows, model=model, optimizer=optimizer
-        )
-    )
-
-    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
-    train_windows = run_setup.train_windows(
-        accelerator, args, train_dataloader, state, scheduler=schedule, count_items=count_items
-    )
-    tracker = training_state.RunTracker(
-        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+    train_windows, lr_scheduler, tracker = run_setup.start_training(
+        accelerator,
+        args,
+        plan,
+        model=model,
+        optimizer=optimizer,
+        train_dataloader=train_dataloader,
+        count_items=count_items,
+        banner_rows=rows,
     )
     metrics = load_metric("accuracy"), load_metric("f1")
-    eval_metrics = {}
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its images, on every process
         for batch in window:
@@ -265,12 +258,10 @@ def train(task, args):
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
-        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0])
+        tracker.end_update(window, grad_norm=grad_norm)
         if window.ends_epoch:
-            with tracker.paused():
-                eval_metrics = evaluate_model(model, eval_dataloader, accelerator, *metrics)
-            tracker.log_evaluation(eval_metrics)
-    return tracker.finish(model, tokenizer=processor, plan=train_windows.plan, **eval_metrics)
+            tracker.evaluate(evaluate_model, model, eval_dataloader, accelerator, *metrics)
+    return tracker.finish(model, tokenizer=processor)
 
 
 def main(argv=None):

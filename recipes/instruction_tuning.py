@@ -45,9 +45,8 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.training import chat_evaluation, run_outputs, run_setup, training_state
+from ft_accum.training import chat_evaluation, run_outputs, run_setup
 from ft_accum.training.arguments import LoraArguments, run_main
-from ft_accum.training.graceful_stop import GracefulStop
 
 
 @dataclass
@@ -218,38 +217,29 @@ def train(task, args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
-    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
     )
     train_chats, train_rows = tokenized["train"], train_dataloader.dataset  # rows: conversations, or packed rows
     rows, mean_tokens, unit = describe_data(task, model, tokenized, train_rows, output_loss.path, plan.effective)
-    accelerator.print(
-        run_setup.run_banner(
-            accelerator, args, plan, schedule.windows, mean_tokens, rows, unit, model=model, optimizer=optimizer
-        )
-    )
-
-    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
-    train_windows = run_setup.train_windows(
+    train_windows, lr_scheduler, tracker = run_setup.start_training(
         accelerator,
         args,
-        train_dataloader,
-        state,
-        scheduler=schedule,
+        plan,
+        model=model,
+        optimizer=optimizer,
+        train_dataloader=train_dataloader,
         count_items=count_items,
         unit="assistant tokens",
-    )
-    tracker = training_state.RunTracker(
-        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+        sample_unit=unit,
+        banner_rows=rows,
+        mean_tokens_per_sample=mean_tokens,
     )
     eval_conversations = conversations["validation"]
     with tracker.paused():  # outside the training time, like every evaluation
         initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations)
     before = f"eval_loss {initial_eval['eval_loss']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
     accelerator.print(f"before training: {before}")
-    eval_metrics = initial_eval
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its assistant tokens, on every process
         for batch in window:
@@ -264,13 +254,11 @@ def train(task, args):
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
-        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0])
+        tracker.end_update(window, grad_norm=grad_norm)
         if window.ends_epoch:
-            with tracker.paused():
-                eval_metrics = evaluate(
-                    task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations
-                )
-            tracker.log_evaluation(eval_metrics)
+            tracker.evaluate(
+                evaluate, task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations
+            )
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     counts = {
         "truncated_train_conversations": train_chats.truncated,
@@ -278,9 +266,7 @@ def train(task, args):
         "train_system_prompt": train_chats.system_prompt,  # the Modelfile's SYSTEM in ft-accum export
     }
     extras = lambda: save_extras(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
-    return tracker.finish(
-        model, tokenizer=tokenizer, plan=train_windows.plan, after_save=extras, **eval_metrics, **initial, **counts
-    )
+    return tracker.finish(model, tokenizer=tokenizer, after_save=extras, **initial, **counts)
 
 
 def main(argv=None):

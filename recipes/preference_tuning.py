@@ -44,9 +44,8 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.training import reference_log_probs, run_setup, training_state
+from ft_accum.training import reference_log_probs, run_setup
 from ft_accum.training.arguments import LoraArguments, run_main
-from ft_accum.training.graceful_stop import GracefulStop
 
 
 @dataclass
@@ -261,26 +260,24 @@ def train(task, args):
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader
     )
-    schedule = run_setup.accumulation_scheduler(args, plan=plan, batches_per_epoch=len(train_dataloader))
-    lr_scheduler = schedule.lr_scheduler(accelerator, optimizer)  # prepared; sized in updates, not micro-batches
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
     )
     reference_loss = None if reference is None else OutputLoss(reference, shift=True, enabled=task.chunked_loss)
     train_pairs = tokenized["train"]
     rows, mean_tokens = banner_rows(task, model, tokenized, output_loss.path)
-    accelerator.print(
-        run_setup.run_banner(
-            accelerator, args, plan, schedule.windows, mean_tokens, rows, "pairs", model=model, optimizer=optimizer
-        )
-    )
-
-    state, signature = run_setup.start_or_resume(accelerator, model=model, args=args, plan=plan)
-    train_windows = run_setup.train_windows(
-        accelerator, args, train_dataloader, state, scheduler=schedule, count_items=count_items, unit="pairs"
-    )
-    tracker = training_state.RunTracker(
-        accelerator, run_setup.run_settings(args), state, signature, schedule.num_update_steps, GracefulStop()
+    train_windows, lr_scheduler, tracker = run_setup.start_training(
+        accelerator,
+        args,
+        plan,
+        model=model,
+        optimizer=optimizer,
+        train_dataloader=train_dataloader,
+        count_items=count_items,
+        unit="pairs",
+        sample_unit="pairs",
+        banner_rows=rows,
+        mean_tokens_per_sample=mean_tokens,
     )
     references = {"train": reference, "validation": reference}  # a frozen copy, or None: the adapters off
     if task.precompute_ref_log_probs:  # before its first update, the policy is the reference
@@ -288,7 +285,7 @@ def train(task, args):
         references = reference_log_probs.precompute(
             args.output_dir,
             accelerator,
-            state.step > 0,
+            tracker.state.step > 0,
             model,
             splits,
             collate,
@@ -321,13 +318,11 @@ def train(task, args):
                 lr_scheduler.step()
                 optimizer.zero_grad()
         columns = preference_loss.reward_means(accelerator.reduce(rewards, reduction="sum").tolist())
-        tracker.end_update(window, grad_norm=grad_norm, learning_rate=lr_scheduler.get_last_lr()[0], **columns)
+        tracker.end_update(window, grad_norm=grad_norm, **columns)
         if window.ends_epoch:
-            with tracker.paused():
-                eval_metrics = evaluate_pairs(references["validation"], reference_loss)
-            tracker.log_evaluation(eval_metrics)
+            tracker.evaluate(evaluate_pairs, references["validation"], reference_loss)
     counts = {"truncated_train_pairs": train_pairs.truncated, "dropped_train_pairs": train_pairs.dropped}
-    return tracker.finish(model, tokenizer=tokenizer, plan=train_windows.plan, **eval_metrics, **initial, **counts)
+    return tracker.finish(model, tokenizer=tokenizer, **initial, **counts)
 
 
 def main(argv=None):

@@ -28,7 +28,7 @@ from ft_accum.core.accumulation_schedule import (
     scheduler_advance,
 )
 from ft_accum.core.errors import ConfigError
-from ft_accum.training.accumulation_scheduler import set_peak_learning_rate
+from ft_accum.training.update_plan import set_peak_learning_rate
 
 
 def test_parse_updates_epochs_and_adaptive():

@@ -12,7 +12,7 @@ from ft_accum.cli.check import check, format_table
 from ft_accum.core.batch_arithmetic import BatchPlan
 from ft_accum.models.lora import LoraSettings, apply_lora
 from ft_accum.testing import make_conversations, make_preference_pairs
-from ft_accum.training.accumulation_scheduler import set_peak_learning_rate
+from ft_accum.training.update_plan import set_peak_learning_rate
 from ft_accum.training.arguments import TrainingArguments
 from ft_accum.training.run_setup import build_optimizer
 

@@ -22,8 +22,8 @@ def accelerator_for_windows(**kwargs):
     return Accelerator(cpu=True, gradient_accumulation_plugin=plugin, **kwargs)
 
 
-class FixedScheduler:
-    """The AccumulationScheduler's interface without a schedule: fixed windows, one LR step each."""
+class FixedUpdatePlan:
+    """The UpdatePlan's interface without a schedule: fixed windows, one LR step each."""
 
     def __init__(self, num_epochs: int, num_update_steps: int):
         self.num_epochs, self.num_update_steps = num_epochs, num_update_steps
@@ -55,7 +55,7 @@ def test_each_window_is_counted_first_and_syncs_once_at_its_last_micro_batch():
             state,
             BatchPlan(micro=2, accumulation=4, processes=1),
             count_items=lambda batch: len(batch["x"]),
-            scheduler=FixedScheduler(num_epochs=2, num_update_steps=4),
+            update_plan=FixedUpdatePlan(num_epochs=2, num_update_steps=4),
         )
         seen = []
         for window in windows:

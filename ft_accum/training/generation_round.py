@@ -282,21 +282,21 @@ class RoundWindows:
         plan,
         layout: RoundLayout,
         *,
-        scheduler,
+        update_plan,
         num_prompts: int,
         seed: int,
         sample: Callable[..., SampledRound],
         count_items: Callable[[Any], Any],
     ):
         self.accelerator, self.state, self.plan, self.layout = accelerator, state, plan, layout
-        self.scheduler, self.num_prompts, self.seed = scheduler, num_prompts, seed
+        self.update_plan, self.num_prompts, self.seed = update_plan, num_prompts, seed
         self.sample, self.count_items = sample, count_items
 
     def __iter__(self) -> Iterator[Window]:
         state, layout, plan = self.state, self.layout, self.plan
         per_round = layout.passes * layout.micro * plan.accumulation  # this process's samples a round
         batches_per_epoch = layout.rounds_per_epoch * layout.passes * plan.accumulation
-        while state.epoch < self.scheduler.num_epochs and state.scheduler_steps < self.scheduler.num_update_steps:
+        while state.epoch < self.update_plan.num_epochs and state.scheduler_steps < self.update_plan.num_update_steps:
             order = random.Random(self.seed * 1000 + state.epoch).sample(range(self.num_prompts), self.num_prompts)
             for round_index in range(state.epoch_samples // per_round, layout.rounds_per_epoch):
                 indices = order[round_index * layout.prompts : (round_index + 1) * layout.prompts]
@@ -317,8 +317,8 @@ class RoundWindows:
                     )
                     window.round, window.rows = sampled, slice(u * plan.effective, (u + 1) * plan.effective)
                     last_of_epoch = round_index == layout.rounds_per_epoch - 1 and update == layout.passes - 1
-                    window.ends_epoch = last_of_epoch or state.scheduler_steps + 1 >= self.scheduler.num_update_steps
+                    window.ends_epoch = last_of_epoch or state.scheduler_steps + 1 >= self.update_plan.num_update_steps
                     yield window
-                    if state.scheduler_steps >= self.scheduler.num_update_steps:
+                    if state.scheduler_steps >= self.update_plan.num_update_steps:
                         return
             state.next_epoch()

@@ -92,15 +92,18 @@ class NoiseScaleMeter:
         loss_scale = accelerator.scaler.get_scale() if accelerator.scaler else 1.0
         add_micro_batch(self.sums, self.micro_grad_sq, backward_scale * loss_scale, size)
 
-    def at_sync(self, accelerator, *, grad_norm: float, window_items: float, state) -> dict[str, float]:
-        """The update's metrics.jsonl columns. Small batch: one micro-batch (per process); big batch:
-        the whole window on all processes, whose gradient norm (before clipping) is `grad_norm`."""
+    def at_sync(
+        self, accelerator, *, grad_norm: float, window_items: float, ema: dict | None
+    ) -> tuple[dict, dict[str, float]]:
+        """(the running averages `ema` after this update, the update's metrics.jsonl columns). Small batch:
+        one micro-batch (per process); big batch: the whole window on all processes, whose gradient norm
+        (before clipping) is `grad_norm`. The caller keeps the averages in the training state."""
         big_sq = grad_norm**2
         small, g2, trace = window_noise_terms(accelerator.reduce(self.sums, reduction="sum"), big_sq, window_items)
-        state.noise_scale_ema = update_ema(state.noise_scale_ema, g2, trace)
+        ema = update_ema(ema, g2, trace)
         # noise_scale_batch: this update's batch in the noise scale's unit
-        return {
-            "noise_scale": noise_scale(state.noise_scale_ema),
+        return ema, {
+            "noise_scale": noise_scale(ema),
             "grad_sq_small": small,
             "grad_sq_big": big_sq,
             "noise_scale_batch": window_items,

@@ -1,11 +1,15 @@
-"""What every recipe does before it loads data: the Accelerator, the output folder, the optimizer,
-and the start-of-run banner. Hardware and precision come from the Accelerate config, not from here.
+"""What every recipe does around its own setup: before it loads data, the Accelerator and the output
+folder (`build_accelerator`); the optimizer (`build_optimizer`); after `accelerator.prepare`, the rest
+in one call (`start_training`: the updates planned, the LR scheduler, the banner, resume, the windows,
+the tracker). Hardware and precision come from the Accelerate config, not from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
@@ -15,10 +19,11 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.core.lr_scaling import describe_lr_scaling
 from ft_accum.models.loading import describe_dtypes
 from ft_accum.models.low_memory import adamw_8bit, adamw_8bit_stochastic_rounding
-from ft_accum.training import collective_timeout, model_card
+from ft_accum.training import collective_timeout, model_card, training_state
 from ft_accum.training.banner import format_banner
-from ft_accum.training.graceful_stop import started_command, without_resume
+from ft_accum.training.graceful_stop import GracefulStop, started_command, without_resume
 from ft_accum.training.run_outputs import check_accelerator, describe_engine, prepare_output_dir, resolve_report_to
+from ft_accum.training.training_state import RunTracker
 
 
 def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str = "samples"):
@@ -179,16 +184,50 @@ def reset_accelerate_state(keep_process_group: bool = False) -> None:
     GradientState._reset_state()
 
 
-# The readers of the argument dataclasses for the library below: the library takes values.
+class TrainingRun(NamedTuple):
+    """What the loop uses (see `start_training`)."""
+
+    train_windows: Iterable  # one Window per optimizer update
+    lr_scheduler: Any  # prepared; sized in updates, not micro-batches
+    tracker: RunTracker  # once per update: the counters, the log, checkpoints, the graceful stop; the end
 
 
-def accumulation_scheduler(args, plan, batches_per_epoch: int):
-    """The run's AccumulationScheduler from the shared arguments (see training/accumulation_scheduler)."""
-    from ft_accum.training.accumulation_scheduler import AccumulationScheduler
+def start_training(
+    accelerator,
+    args,
+    plan,
+    *,
+    model,
+    optimizer,
+    count_items=None,
+    train_dataloader=None,
+    unit: str = "samples",
+    sample_unit: str = "samples",
+    banner_rows: dict[str, str] | None = None,
+    mean_tokens_per_sample: float | None = None,
+    prepare_batch=None,
+    batches_per_epoch: int | None = None,
+    make_windows=None,
+) -> TrainingRun:
+    """The ft-accum plumbing after `accelerator.prepare`, in the one order that works: the run's updates
+    planned (`UpdatePlan`: windows per epoch, --accumulation_schedule) and its LR scheduler sized in
+    them; the start-of-run banner; a fresh state or --resume_from_checkpoint's; the windows from that
+    state (`TrainWindows` over `train_dataloader`, counting `count_items` in `unit`: what the loss is a
+    mean over; or `make_windows(state=, update_plan=)`, GRPO's rounds, with `batches_per_epoch`); and
+    the tracker. The banner counts the batch in `sample_unit` (what one row is: sequences, pairs) and
+    adds `banner_rows`.
 
-    return AccumulationScheduler(
+    `prepare_batch(batch, update)` rewrites each micro-batch before its window is counted (TrainWindows).
+    """
+    from ft_accum.training.noise_meter import NoiseScaleMeter
+    from ft_accum.training.update_plan import UpdatePlan
+    from ft_accum.training.windows import TrainWindows
+
+    update_plan = UpdatePlan(
+        accelerator,
+        optimizer,
         plan,
-        batches_per_epoch,
+        batches_per_epoch or len(train_dataloader),
         schedule=args.parsed_schedule,
         num_train_epochs=args.num_train_epochs,
         max_train_steps=args.max_train_steps,
@@ -196,32 +235,66 @@ def accumulation_scheduler(args, plan, batches_per_epoch: int):
         num_warmup_steps=args.num_warmup_steps,
         scaled_learning_rate=args.scaled_learning_rate,
     )
-
-
-def train_windows(
-    accelerator, args, train_dataloader, state, *, scheduler, count_items, unit="samples", prepare_batch=None
-):
-    """The run's TrainWindows (training/windows.py) over `train_dataloader` from `state`, planned by
-    `scheduler` (after its `lr_scheduler(...)`), with the shared arguments' --auto_micro_batch and
-    --measure_noise_scale (a NoiseScaleMeter in `unit`, what `count_items` counts); `prepare_batch`
-    rewrites each micro-batch before it is counted (TrainWindows)."""
-    from ft_accum.training.noise_meter import NoiseScaleMeter
-    from ft_accum.training.windows import TrainWindows
-
-    plan = scheduler.plan
-    parameters = [p for group in scheduler.optimizer.param_groups for p in group["params"]]
-    return TrainWindows(
-        accelerator,
-        train_dataloader,
-        state,
-        plan,
-        count_items=count_items,
-        scheduler=scheduler,
-        noise=NoiseScaleMeter(parameters, plan, unit) if args.measure_noise_scale else None,
-        auto_micro_batch=args.auto_micro_batch,
-        tokens_are_items="token" in unit,  # target, assistant, labelled tokens: tokens_seen counts them
-        prepare_batch=prepare_batch,
+    accelerator.print(
+        run_banner(
+            accelerator,
+            args,
+            plan,
+            update_plan.windows,
+            mean_tokens_per_sample,
+            banner_rows,
+            sample_unit,
+            model=model,
+            optimizer=optimizer,
+        )
     )
+    state, signature = training_state.start_or_resume(
+        accelerator,
+        model,
+        plan,
+        seed=args.seed,
+        optim=args.optim,
+        accumulation_schedule=args.accumulation_schedule,
+        resume_from_checkpoint=args.resume_from_checkpoint,
+        output_dir=args.output_dir,
+    )
+    if make_windows is not None:
+        train_windows = make_windows(state=state, update_plan=update_plan)
+    else:
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        train_windows = TrainWindows(
+            accelerator,
+            train_dataloader,
+            state,
+            plan,
+            count_items=count_items,
+            update_plan=update_plan,
+            noise=NoiseScaleMeter(parameters, plan, unit) if args.measure_noise_scale else None,
+            auto_micro_batch=args.auto_micro_batch,
+            tokens_are_items="token" in unit,  # target, assistant, labelled tokens: tokens_seen counts them
+            prepare_batch=prepare_batch,
+        )
+    settings = training_state.RunSettings(
+        output_dir=args.output_dir,
+        checkpointing_steps=args.checkpointing_steps,
+        save_total_limit=args.save_total_limit,
+        max_consecutive_skipped_updates=args.max_consecutive_skipped_updates,
+        scaled_learning_rate=args.scaled_learning_rate,
+    )
+    tracker = RunTracker(
+        accelerator,
+        settings,
+        state,
+        signature,
+        update_plan.num_update_steps,
+        GracefulStop(),
+        lr_scheduler=update_plan.lr_scheduler,
+        train_windows=train_windows,
+    )
+    return TrainingRun(train_windows, update_plan.lr_scheduler, tracker)
+
+
+# The readers of the argument dataclasses for the library below: the library takes values.
 
 
 def load_splits(task_args, seed: int, bundled):
@@ -250,35 +323,6 @@ def lora_settings(task_args):
         target_modules=task_args.lora_target_modules,
         use_rslora=task_args.use_rslora,
         use_dora=task_args.use_dora,
-    )
-
-
-def run_settings(args):
-    """A RunSettings (what RunTracker needs) from the shared arguments."""
-    from ft_accum.training.training_state import RunSettings
-
-    return RunSettings(
-        output_dir=args.output_dir,
-        checkpointing_steps=args.checkpointing_steps,
-        save_total_limit=args.save_total_limit,
-        max_consecutive_skipped_updates=args.max_consecutive_skipped_updates,
-        scaled_learning_rate=args.scaled_learning_rate,
-    )
-
-
-def start_or_resume(accelerator, model, args, plan):
-    """training_state.start_or_resume from the shared arguments: (state, run signature)."""
-    from ft_accum.training import training_state
-
-    return training_state.start_or_resume(
-        accelerator,
-        model,
-        plan,
-        seed=args.seed,
-        optim=args.optim,
-        accumulation_schedule=args.accumulation_schedule,
-        resume_from_checkpoint=args.resume_from_checkpoint,
-        output_dir=args.output_dir,
     )
 
 

@@ -77,6 +77,11 @@ class TrainingState:
             **extra,
         }
 
+    def change_effective_batch(self, effective_batch_size: int) -> None:
+        """From this update on, the accumulation schedule's `effective_batch_size` (a change is remembered)."""
+        if effective_batch_size != self.effective_batch_size:
+            self.effective_batch_size, self.last_change = effective_batch_size, self.step
+
     def next_epoch(self) -> None:
         self.epoch += 1
         self.epoch_samples = 0
@@ -190,9 +195,9 @@ class RunTracker:
     """What happens once per update besides the update itself: the counters, metrics.jsonl and the
     tracker, the progress bar, checkpoints, and the graceful stop; and the end of the run.
 
-    `end_update` is the recipe's one call at each sync step, after `optimizer.step()`; it returns
-    True when the run has made its last update. `stop` is a `GracefulStop` (or None to do without);
-    its resume command goes to `RESUME_COMMAND_FILE` in the output folder.
+    `end_update` is the recipe's one call after each update, and `evaluate` its call at each epoch's
+    end. `stop` is a `GracefulStop` (or None to do without); its resume command goes to
+    `RESUME_COMMAND_FILE` in the output folder. run_setup.start_training builds it.
     """
 
     def __init__(
@@ -203,11 +208,18 @@ class RunTracker:
         signature: dict[str, Any],
         num_update_steps: int,
         stop=None,
+        *,
+        lr_scheduler,
+        train_windows,
     ):
         from tqdm.auto import tqdm
 
         self.accelerator, self.settings, self.state, self.signature = accelerator, settings, state, signature
         self.stop = stop
+        # The logged LR is the one each update leaves; the final plan is the windows' (an out-of-memory
+        # re-split changes it mid-run).
+        self.lr_scheduler, self.train_windows = lr_scheduler, train_windows
+        self.evaluation: dict[str, Any] = {}  # the last evaluation's metrics, whole
         self.noise = None  # the NoiseScaleMeter of the windows, once an update has been measured
         # A checkpoint (or stop) due at an epoch's last update waits for its evaluation (`log_evaluation`).
         self.pending, self.stopping = False, False
@@ -227,22 +239,24 @@ class RunTracker:
         )
         register_progress_bar(self.progress)
 
-    def end_update(self, window, *, grad_norm, learning_rate: float, **columns: Any) -> None:
-        """After `optimizer.step()`: count the update (a `training.windows.Window`), log its record
-        (`grad_norm` before clipping, the `learning_rate` it leaves; `columns` are extra metrics.jsonl
-        columns, the noise scale's added when it is measured), checkpoint when due or when a signal asks
-        to stop (which then ends the process). The windows end the run themselves after its last update."""
+    def end_update(self, window, *, grad_norm, **columns: Any) -> None:
+        """After the update: count it (a `training.windows.Window`), log its record (`grad_norm` before
+        clipping, the LR the update leaves; `columns` are extra metrics.jsonl columns, the noise scale's
+        added when it is measured), checkpoint when due or when a signal asks to stop (which then ends
+        the process). The windows end the run themselves after its last update."""
         state, settings = self.state, self.settings
         grad_norm = float(grad_norm)
         skipped = self.accelerator.optimizer_step_was_skipped
         state.complete_update(window, skipped, settings.max_consecutive_skipped_updates)
         if window.noise is not None:
             self.noise = window.noise
-            columns |= window.noise.at_sync(
-                self.accelerator, grad_norm=grad_norm, window_items=window.summary()["items"], state=state
+            state.noise_scale_ema, noise_columns = window.noise.at_sync(
+                self.accelerator, grad_norm=grad_norm, window_items=window.summary()["items"], ema=state.noise_scale_ema
             )
+            columns |= noise_columns
         collective_timeout.POSITION.updates_done = state.step
-        record = state.record(window, grad_norm, float(learning_rate), self.clock.lap(), **columns)
+        learning_rate = float(self.lr_scheduler.get_last_lr()[0])
+        record = state.record(window, grad_norm, learning_rate, self.clock.lap(), **columns)
         log_update(self.accelerator, settings.output_dir, record, self.progress, window.lr_steps)
         stopping = (self.stop is not None and self.stop.requested(self.accelerator)) or (
             self.pending and self.stopping
@@ -270,9 +284,18 @@ class RunTracker:
         if stopping:
             self.stop.exit(self.accelerator, path)
 
+    def evaluate(self, evaluate: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """`evaluate(*args, **kwargs)` at an epoch's end, outside the training time (`paused`), then on record
+        (`log_evaluation`); returns its metrics."""
+        with self.paused():
+            metrics = evaluate(*args, **kwargs)
+        self.log_evaluation(metrics)
+        return metrics
+
     def log_evaluation(self, metrics: dict[str, Any]) -> None:
         """The epoch's evaluation on record (run_outputs.log_evaluation) and in the training state; then the
         checkpoint (or the stop) that the epoch's last update deferred to this point."""
+        self.evaluation = metrics
         log_evaluation(self.accelerator, epoch=self.state.epoch, step=self.state.step, metrics=metrics)
         self.state.eval_metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}
         if self.pending:
@@ -289,13 +312,12 @@ class RunTracker:
         self,
         model,
         tokenizer,
-        plan: BatchPlan,
         after_save=None,
         final_files: dict[str, str] | None = None,
         **metrics: Any,
     ) -> dict[str, Any]:
         """Save final/ (with `final_files` in it, and whatever `after_save()` saves, returning extra
-        results), write all_results.json."""
+        results), write all_results.json with `metrics` and the last evaluation's."""
         self.progress.close()
         if self.noise is not None and (advice := self.noise.advice(self.state)):
             self.accelerator.print(advice)
@@ -307,13 +329,13 @@ class RunTracker:
         with collective_timeout.phase("sample"):  # --generate_prompt, --merge_lora: model calls on every rank
             extras = after_save() if after_save else {}
         learning_rate = self.settings.scaled_learning_rate(self.state.effective_batch_size)
-        # The last evaluation on record wins over the recipe's copy: a run resumed after it has only the record.
-        metrics = {**metrics, **(self.state.eval_metrics or {})}
+        # The last evaluation on record wins over this process's: a run resumed after it has only the record.
+        metrics = {**self.evaluation, **metrics, **(self.state.eval_metrics or {})}
         collective_timeout.POSITION.phase = "save"
         results = write_results(
             self.accelerator,
             self.state,
-            plan,
+            self.train_windows.plan,
             output_dir=self.settings.output_dir,
             learning_rate=learning_rate,
             train_seconds=train_seconds,

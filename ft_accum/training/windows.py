@@ -18,7 +18,7 @@ makes the accumulated gradient exactly the gradient of Σ losses / T, the short 
 epoch and uneven process shares included; nothing is rescaled afterwards.
 
 Everything that decides a window's shape lives here, not in the loop: where a resume re-enters
-the epoch, the accumulation schedule (`AccumulationScheduler`), the short last window, the rows
+the epoch, the accumulation schedule (`UpdatePlan`), the short last window, the rows
 Accelerate repeats so every process steps together (they run, for DDP's all-reduce, and count as
 nothing: their micro-batch's scale is 0), the gradient-noise measurement (`NoiseScaleMeter`, whose
 hooks need no call in the loop), and the out-of-memory retry (`--auto_micro_batch`), which splits
@@ -282,8 +282,8 @@ class TrainWindows:
 
     `count_items(batch)` returns what the recipe's loss is a mean over in one micro-batch (a number
     or 0-d tensor; or a 1-D tensor whose first entry is that, the rest further totals the loss
-    needs, `Window.extra_counts`). `scheduler` is the run's `AccumulationScheduler`, after its
-    `lr_scheduler(accelerator, optimizer)`; `noise` a `NoiseScaleMeter` or None. With `tokens_are_items`
+    needs, `Window.extra_counts`). `update_plan` is the run's `UpdatePlan` (training/update_plan.py);
+    `noise` a `NoiseScaleMeter` or None. With `tokens_are_items`
     (a loss that is a mean over tokens) the throughput's tokens are the items; else `count_tokens`'s.
     `prepare_batch(batch, update)`, when given, rewrites each micro-batch of real rows before the window
     is counted (GKD's on-policy answers: training/on_policy.py).
@@ -297,7 +297,7 @@ class TrainWindows:
         plan: BatchPlan,
         *,
         count_items: Callable[[Any], Any],
-        scheduler,
+        update_plan,
         noise=None,
         auto_micro_batch: bool = False,
         tokens_are_items: bool = False,
@@ -306,7 +306,7 @@ class TrainWindows:
         self.prepare_batch = prepare_batch
         self.accelerator, self.train_dataloader, self.state, self.plan = accelerator, train_dataloader, state, plan
         self.count_tokens = None if tokens_are_items else count_tokens
-        self.count_items, self.scheduler, self.noise = count_items, scheduler, noise
+        self.count_items, self.update_plan, self.noise = count_items, update_plan, noise
         self.loader_micro = plan.micro  # rows per batch of the dataloader; the retry splits them, the loader stays
         self.auto_micro_batch = auto_micro_batch
         if auto_micro_batch and accelerator.num_processes > 1:
@@ -315,9 +315,9 @@ class TrainWindows:
 
     def __iter__(self) -> Iterator[Window]:
         state = self.state
-        while state.epoch < self.scheduler.num_epochs and state.scheduler_steps < self.scheduler.num_update_steps:
+        while state.epoch < self.update_plan.num_epochs and state.scheduler_steps < self.update_plan.num_update_steps:
             yield from self._epoch()
-            if state.scheduler_steps >= self.scheduler.num_update_steps:
+            if state.scheduler_steps >= self.update_plan.num_update_steps:
                 return
             state.next_epoch()
 
@@ -328,8 +328,8 @@ class TrainWindows:
         batches = accelerator.skip_first_batches(loader, seen) if seen else loader
         stream = iter(enumerate(batches, start=seen))
         left = len(loader) - seen
-        while left > 0 and state.scheduler_steps < self.scheduler.num_update_steps:
-            self.plan = self.scheduler.at_window_start(accelerator, self.plan, state, noise=self.noise)
+        while left > 0 and state.scheduler_steps < self.update_plan.num_update_steps:
+            self.plan = self.update_plan.at_window_start(accelerator, self.plan, state, noise=self.noise)
             size = min(self.plan.accumulation * self.plan.micro // self.loader_micro, left)
             fetched = [self._real_part(index, batch) for index, batch in (next(stream) for _ in range(size))]
             if self.prepare_batch is not None:
@@ -338,8 +338,8 @@ class TrainWindows:
             window = self._window(
                 fetched, ends_epoch=left == 0, epoch_samples=state.epoch_samples + size * self.loader_micro
             )
-            window.lr_steps = self.scheduler.lr_steps(window)
-            window.ends_epoch |= state.scheduler_steps + window.lr_steps >= self.scheduler.num_update_steps
+            window.lr_steps = self.update_plan.lr_steps(window)
+            window.ends_epoch |= state.scheduler_steps + window.lr_steps >= self.update_plan.num_update_steps
             yield window
         if left == 0:  # one more step ends the loader's iteration, so that Accelerate ends its epoch
             for _ in stream:
@@ -380,7 +380,7 @@ class TrainWindows:
     def _shrink(self, exc: BaseException) -> BatchPlan:
         """After an out-of-memory error: drop the partial gradients, return what the failed step held, and
         halve the micro-batch (its smallest prime factor) for this window and the rest of the run."""
-        self.scheduler.optimizer.zero_grad(set_to_none=True)
+        self.update_plan.optimizer.zero_grad(set_to_none=True)
         free_memory(self.accelerator.device)
         smaller = self.plan.shrunk()
         self.accelerator.print(

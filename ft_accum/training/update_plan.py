@@ -1,5 +1,6 @@
-"""`--accumulation_schedule` in a run: the window plan and the LR scheduler's length up front, and at
-each window's start the plan of that window (see core/accumulation_schedule.py for the formulas).
+"""The run's updates, planned before the first one: how many windows each epoch holds, the LR
+scheduler sized in those updates (not in micro-batches), and, under `--accumulation_schedule`, the
+effective batch of each window as it starts (see core/accumulation_schedule.py for the formulas).
 
 Without a schedule it plans fixed windows and changes nothing, so every run takes the same path.
 `training/windows.py` asks it for each window's plan (`at_window_start`) and how many LR-scheduler
@@ -34,12 +35,15 @@ def set_peak_learning_rate(optimizer, lr_scheduler, learning_rate: float) -> Non
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
-class AccumulationScheduler:
-    """The run's windows planned from its (parsed) `schedule`, or fixed ones without. Build it after
-    `accelerator.prepare`: the prepared dataloader holds this process's share of the batches."""
+class UpdatePlan:
+    """The run's windows planned from its (parsed) `schedule`, or fixed ones without, and its LR scheduler
+    over them (`lr_scheduler`, prepared by `accelerator`). Build it after `accelerator.prepare`: the
+    prepared dataloader holds this process's share of the batches, and the optimizer is the prepared one."""
 
     def __init__(
         self,
+        accelerator,
+        optimizer,
         plan,
         batches_per_epoch: int,
         *,
@@ -50,34 +54,27 @@ class AccumulationScheduler:
         num_warmup_steps: int,
         scaled_learning_rate,
     ):
-        """`scaled_learning_rate(effective_batch)` is the peak LR for an effective batch (--lr_scaling)."""
+        """`scaled_learning_rate(effective_batch)` is the peak LR for an effective batch (--lr_scaling).
+
+        `lr_scheduler` is --lr_scheduler_type over the planned updates (see lr_schedule). A change of the
+        effective batch re-applies --lr_scaling to it. Under `adaptive`, each `step()` advances it by
+        the starting-batch updates the current window stands for (`lr_steps`), so the LR follows the
+        samples seen and a checkpoint holds it where it is."""
         self.plan, self.start, self.processes = plan, plan.effective, plan.processes  # the run's starting split
-        self.lr_scheduler_type, self.num_warmup_steps = lr_scheduler_type, num_warmup_steps
-        self.scaled_learning_rate = scaled_learning_rate
-        self.schedule = schedule
-        self.stepped = None  # the adaptive schedule's LR scheduler, once built
+        self.optimizer, self.scaled_learning_rate, self.schedule = optimizer, scaled_learning_rate, schedule
         check_schedule(self.schedule, plan.micro, plan.processes, plan.effective)
         self.windows = plan_windows(
             batches_per_epoch, num_train_epochs, plan.micro, plan.processes, self.start, self.schedule, max_train_steps
         )
         self.num_update_steps = sum(map(len, self.windows))
         self.num_epochs = len(self.windows)
-
-    def lr_scheduler(self, accelerator, optimizer):
-        """--lr_scheduler_type over the planned updates (see lr_schedule), prepared by `accelerator`. The
-        scheduler keeps both: a change of the effective batch re-applies --lr_scaling to them. Under
-        `adaptive`, each `step()` advances it by the starting-batch updates the current window stands
-        for (`lr_steps`), so the LR follows the samples seen and a checkpoint holds it where it is."""
-        self.optimizer = optimizer
         self.prepared_lr_scheduler = accelerator.prepare(
-            build_lr_scheduler(
-                self.lr_scheduler_type, optimizer, self.num_warmup_steps, self.num_update_steps, self.processes
-            )
+            build_lr_scheduler(lr_scheduler_type, optimizer, num_warmup_steps, self.num_update_steps, plan.processes)
         )
+        self.stepped = None  # the adaptive schedule's LR scheduler
         if self.schedule is not None and self.schedule.unit == "adaptive":
             self.stepped = SteppedPerSamples(self.prepared_lr_scheduler)
-            return self.stepped
-        return self.prepared_lr_scheduler
+        self.lr_scheduler = self.stepped or self.prepared_lr_scheduler
 
     def at_window_start(self, accelerator, plan, state, *, noise=None):
         """The plan of the window about to start; a change re-applies --lr_scaling to the new effective batch.
@@ -93,8 +90,7 @@ class AccumulationScheduler:
             state.last_change,
             noise.in_samples(state) if noise is not None else None,
         )
-        if target != state.effective_batch_size:
-            state.effective_batch_size, state.last_change = target, state.step
+        state.change_effective_batch(target)
         if target == plan.effective:  # else: a change, or the resume of a run that changed
             return plan
         plan = plan.resplit(target)
