@@ -142,7 +142,8 @@ def peak_rss_growth(method: str, micro: int, num_pairs: int) -> float:
 
 def memory(num_pairs: int, micro: int, max_seq_length: int) -> dict:
     from ft_accum.data.offline_assets import bundled_minilm_dir
-    from ft_accum.planner.memory_planner import GIB, plan
+    from ft_accum.planner.memory_planner import plan
+    from ft_accum.planner.tracing import GIB
 
     measured = {}
     for method, size in (("full batch", num_pairs), ("ours", micro)):

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ft_accum.core.batch_arithmetic import BatchPlan
-from ft_accum.planner import memory_planner
+from ft_accum.planner import tracing
 from ft_accum.testing.benchmarking import machine_info, optimizer_state_bytes, run_recipe
 from ft_accum.training.run_setup import build_optimizer
 
@@ -85,8 +85,7 @@ def state_bytes(model_dir: str | None, dtype: str, optim: str) -> dict:
     # The planner's count: 8-bit blocks (the same for bitsandbytes and torchao), or two moments in the weights' dtype.
     low_bit = optim in ("adamw_8bit", "adamw_torch_8bit")
     predicted_state = sum(
-        memory_planner.low_bit_state_bytes(p.numel(), "adamw_8bit") if low_bit else 2 * p.nbytes
-        for p in model.parameters()
+        tracing.low_bit_state_bytes(p.numel(), "adamw_8bit") if low_bit else 2 * p.nbytes for p in model.parameters()
     )
     return measured | {"predicted_optimizer_state": predicted_state / 2**30}
 

@@ -23,7 +23,7 @@ MEASURE = r"""
 import json, resource, sys, torch
 from transformers import GPT2Config
 from torch.distributed._tools.mem_tracker import MemTracker
-from ft_accum.planner.memory_planner import build_model
+from ft_accum.planner.task_specs import build_model
 width, layers, micro, seq_len = map(int, sys.argv[1:5])
 config = GPT2Config(n_embd=width, n_layer=layers, n_head=width // 64, n_positions=1024)
 torch.manual_seed(0)
@@ -48,7 +48,7 @@ print(json.dumps({"memtracker_peak": tracker.get_tracker_snapshot("peak")[torch.
 def main():
     from transformers import GPT2Config
 
-    from ft_accum.planner.memory_planner import GIB, trace_step
+    from ft_accum.planner.tracing import GIB, trace_step
 
     started = time.perf_counter()
     plan = subprocess.run(

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ft_accum.core.loss_normalization import causal_lm_loss_sum
 from ft_accum.models.output_loss import linear_cross_entropy_sum, shift_labels
-from ft_accum.planner import memory_planner
+from ft_accum.planner import configs, tracing
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_PATHS = ("model", "logits", "chunked")
@@ -40,12 +40,12 @@ LOSS_PATHS = ("model", "logits", "chunked")
 def memory(models, micro_batches, seq_len, layers: int | None = None) -> list[dict]:
     rows = []
     for name in models:
-        config = memory_planner.load_model_config(name)
+        config = configs.load_model_config(name)
         if layers:
             config.num_hidden_layers = layers
         for checkpointing in (False, True):
             traced = {
-                path: memory_planner.trace_micro_batches(
+                path: tracing.trace_micro_batches(
                     config,
                     micro_batches,
                     task="causal_lm",

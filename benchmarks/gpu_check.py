@@ -234,7 +234,8 @@ def shrink_for_dry_run(gpt2_config) -> None:
 
 
 def check_planner(models: Path, dry_run: bool) -> Iterator[dict]:
-    from ft_accum.planner.memory_planner import load_model_config, trace_micro_batches
+    from ft_accum.planner.configs import load_model_config
+    from ft_accum.planner.tracing import trace_micro_batches
 
     config = load_model_config("gpt2-124m")
     block, micros = 1024, [1, 4, 8]
@@ -270,7 +271,7 @@ def planner_row(check: str, predicted: float, measured: float, dry_run: bool, no
 def dry_run_cells(models: Path) -> list[dict]:
     """Tiny stand-ins for plan_12gb.json's cells, one per branch of check_12gb_table (each recipe, and
     the low-memory modes of the causal LM), to test it on CPU."""
-    from ft_accum.planner.memory_planner import load_model_config
+    from ft_accum.planner.configs import load_model_config
 
     cells = []
     for name, task, seq_len, shrink in (
@@ -310,7 +311,8 @@ def dry_run_cells(models: Path) -> list[dict]:
 
 
 def check_12gb_table(models: Path, cells: list[dict]) -> Iterator[dict]:
-    from ft_accum.planner.memory_planner import load_model_config, recipe_flags
+    from ft_accum.planner.configs import load_model_config
+    from ft_accum.planner.launch_line import recipe_flags
 
     cuda = torch.cuda.is_available()
     total = torch.cuda.get_device_properties(0).total_memory if cuda else None
@@ -518,7 +520,7 @@ def run_recipe_checkpointed(model_dir, rows, micro, accumulation, updates) -> tu
 
 
 def check_throughput(models: Path, dry_run: bool) -> Iterator[dict]:
-    from ft_accum.planner.memory_planner import load_model_config
+    from ft_accum.planner.configs import load_model_config
 
     config = load_model_config("gpt2-124m")
     micro, accumulation, updates, block = 8, 4, 12, 1024
@@ -549,7 +551,8 @@ def check_throughput(models: Path, dry_run: bool) -> Iterator[dict]:
     # Reported, not judged: what --torch_compile buys, and what offloading costs against the
     # alternative it competes with. One run each, after the judged rounds, which a run stopped at
     # its time limit then has.
-    from ft_accum.planner.memory_planner import implied_copy_gbps, trace_micro_batches
+    from ft_accum.planner.throughput import implied_copy_gbps
+    from ft_accum.planner.tracing import trace_micro_batches
 
     extras = {
         "compiled": run_recipe_compiled,
@@ -586,7 +589,7 @@ def check_instruction_tuning(models: Path, dry_run: bool) -> Iterator[dict]:
     on the bundled BBC instructions, bf16 mixed precision, 8 × 4, 12 updates of which the first 2 are
     warm-up: full fine-tuning with packing off and on, and QLoRA (a 4-bit base, LoRA r 16) with
     packing on."""
-    from ft_accum.planner.memory_planner import load_model_config
+    from ft_accum.planner.configs import load_model_config
 
     config = load_model_config("llama-3.1-8b")
     qwen = load_model_config("qwen2.5-0.5b")
@@ -683,7 +686,7 @@ def check_grpo(models: Path, smollm2: Path | None, dry_run: bool) -> Iterator[di
       generate() call (the default) and at 1 (the recipe before 2026-12-06)."""
     from transformers import AutoConfig
 
-    from ft_accum.planner.memory_planner import trace_micro_batches
+    from ft_accum.planner.tracing import trace_micro_batches
     from ft_accum.testing import make_tiny_chat_lm
     from ft_accum.testing.benchmarking import timed_generation_rounds
 
@@ -777,7 +780,7 @@ def check_distillation(models: Path, smollm2: Path | None, dry_run: bool) -> Ite
     """recipes/distillation.py (see the module docstring's check 8): the planner's peak against the run's."""
     from transformers import AutoConfig
 
-    from ft_accum.planner.memory_planner import trace_micro_batches
+    from ft_accum.planner.tracing import trace_micro_batches
     from ft_accum.testing import make_tiny_chat_lm
 
     micro, accumulation, max_length = 8, 2, 512

@@ -12,9 +12,9 @@ from ft_accum.cli.check import check, format_table
 from ft_accum.core.batch_arithmetic import BatchPlan
 from ft_accum.models.lora import LoraSettings, apply_lora
 from ft_accum.testing import make_conversations, make_preference_pairs
-from ft_accum.training.update_plan import set_peak_learning_rate
 from ft_accum.training.arguments import TrainingArguments
 from ft_accum.training.run_setup import build_optimizer
+from ft_accum.training.update_plan import set_peak_learning_rate
 
 
 def lora_model(model_dir, **variant):

@@ -27,7 +27,7 @@ from conftest import (
 from safetensors.torch import load_file
 
 from ft_accum.models import loading, low_memory
-from ft_accum.planner import memory_planner
+from ft_accum.planner import tracing
 from ft_accum.testing import make_conversations, make_tiny_chat_lm, relative_error
 
 bitsandbytes = pytest.importorskip("bitsandbytes", reason='the [lowmem] extra: pip install -e ".[lowmem]"')
@@ -218,15 +218,15 @@ def test_planner_counts_the_4bit_weights_as_bitsandbytes_stores_them(tmp_path, a
             real += sum(t.numel() * t.element_size() for t in (state.absmax, state.code))
             if state.nested:
                 real += sum(t.numel() * t.element_size() for t in (state.state2.absmax, state.state2.code))
-    predicted = memory_planner.trace_step(
+    predicted = tracing.trace_step(
         config, task="causal_lm", micro_batch_size=1, seq_len=16, precision="bf16-mixed", lora_r=8, load_in_4bit=True
     ).parameters
     print(f"predicted {predicted:,.0f} bytes, real {real:,.0f}")
     assert predicted == pytest.approx(real, rel=0.02)
     # The control: counting the quantized weights in bf16 would be off by far more than the bound.
     frozen = AutoModelForCausalLM.from_config(config).requires_grad_(False)
-    quantized = sum(w.numel() for w in memory_planner.quantized_weights(frozen))
-    assert quantized * (2 - memory_planner.NF4_BYTES_PER_PARAMETER) > 0.3 * real
+    quantized = sum(w.numel() for w in tracing.quantized_weights(frozen))
+    assert quantized * (2 - tracing.NF4_BYTES_PER_PARAMETER) > 0.3 * real
 
 
 def test_planner_counts_the_8bit_adamw_state_as_bitsandbytes_stores_it():
@@ -248,7 +248,7 @@ def test_planner_counts_the_8bit_adamw_state_as_bitsandbytes_stores_it():
         if torch.is_tensor(v) and k != "step" and not k.startswith("qmap")  # the two code books are shared
     )
     assert {state["state1"].dtype for state in optimizer.state.values() if "state1" in state} >= {torch.uint8}
-    predicted = memory_planner.trace_step(
+    predicted = tracing.trace_step(
         config, task="causal_lm", micro_batch_size=1, seq_len=16, optimizer="adamw_8bit"
     ).optimizer_state
     print(f"predicted {predicted:,.0f} bytes, real {real:,.0f}")

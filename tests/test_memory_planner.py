@@ -8,6 +8,8 @@ import torch
 from transformers import GPT2Config, LlamaConfig
 
 from ft_accum.core.errors import ConfigError
+from ft_accum.models.layer_selection import student_config
+from ft_accum.planner import configs, launch_line, task_specs, throughput, tracing
 from ft_accum.planner import memory_planner as mp
 from ft_accum.testing import ROOT
 
@@ -44,9 +46,9 @@ def tiny_llama(layers=2):
     ],
 )
 def test_shipped_configs_have_the_published_sizes(name, task, published_millions):
-    FakeTensorMode, _ = mp.torch_internals()
+    FakeTensorMode, _ = tracing.torch_internals()
     with FakeTensorMode():
-        model = mp.build_model(mp.load_model_config(name), task)
+        model = task_specs.build_model(configs.load_model_config(name), task)
         count = sum(p.numel() for p in model.parameters()) / 1e6
     assert count == pytest.approx(published_millions, rel=0.005)
 
@@ -55,9 +57,9 @@ def test_shipped_configs_have_the_published_sizes(name, task, published_millions
 def test_parameter_gradient_and_adam_state_bytes_equal_the_analytic_count(config_fn):
     config = config_fn()
     seen = {}
-    mp.trace_phases(config, task="causal_lm", micro_batch_size=4, seq_len=64, accounting=seen)
+    tracing.trace_phases(config, task="causal_lm", micro_batch_size=4, seq_len=64, accounting=seen)
     with torch.device("meta"):
-        model = mp.build_model(config, "causal_lm")
+        model = task_specs.build_model(config, "causal_lm")
     unique = {id(p): p for p in model.parameters()}  # parameters() yields tied weights once
     numel = sum(p.numel() for p in unique.values())
     assert seen["parameters"] == 4 * numel + sum(b.numel() * b.element_size() for b in model.buffers())
@@ -72,7 +74,7 @@ def test_parameter_gradient_and_adam_state_bytes_equal_the_analytic_count(config
 
 
 def test_activation_memory_grows_linearly_in_the_micro_batch():
-    traced = mp.trace_micro_batches(tiny_llama(), [2, 4, 8, 16], task="causal_lm", seq_len=128)
+    traced = tracing.trace_micro_batches(tiny_llama(), [2, 4, 8, 16], task="causal_lm", seq_len=128)
     activations = {m: backward.activations_gradients_temporaries for m, (backward, _) in traced.items()}
     steps = [
         activations[4] - activations[2],
@@ -91,7 +93,7 @@ def test_checkpointing_keeps_one_hidden_state_per_layer():
     settings = {"task": "causal_lm", "micro_batch_size": m, "seq_len": seq_len}
 
     def activations(layers, checkpointing):
-        backward, _ = mp.trace_phases(tiny_llama(layers), gradient_checkpointing=checkpointing, **settings)
+        backward, _ = tracing.trace_phases(tiny_llama(layers), gradient_checkpointing=checkpointing, **settings)
         return backward.activations_gradients_temporaries
 
     h = m * seq_len * hidden * 4
@@ -105,22 +107,22 @@ def test_fake_trace_matches_memtracker_on_real_cpu_tensors():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     config, m, seq_len = tiny_gpt2(), 4, 64
-    fake = mp.trace_step(config, task="causal_lm", micro_batch_size=m, seq_len=seq_len).peak
-    real = mp.trace_step(config, task="causal_lm", micro_batch_size=m, seq_len=seq_len, real_tensors=True).peak
+    fake = tracing.trace_step(config, task="causal_lm", micro_batch_size=m, seq_len=seq_len).peak
+    real = tracing.trace_step(config, task="causal_lm", micro_batch_size=m, seq_len=seq_len, real_tensors=True).peak
 
     # The same step, tracked by torch's own MemTracker: the recipe's loss, fused AdamW, fused attention.
     torch.manual_seed(0)
-    model = mp.build_model(config, "causal_lm")
-    opt = mp.build_optimizer("adamw", list(model.parameters()))
+    model = task_specs.build_model(config, "causal_lm")
+    opt = tracing.build_optimizer("adamw", list(model.parameters()))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    batch = mp.example_batch(config, "causal_lm", m, seq_len)
+    batch = task_specs.example_batch(config, "causal_lm", m, seq_len)
     tracker = MemTracker()
     tracker.track_external(model, opt)
-    with tracker, mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", mp.fused_attention):
-        mp.recipe_step("causal_lm", None, "chunked")(model, batch, None).backward()
+    with tracker, mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", tracing.fused_attention):
+        task_specs.recipe_step("causal_lm", None, "chunked")(model, batch, None).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     memtracker = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
@@ -135,7 +137,7 @@ def test_interpolated_micro_batches_stay_close_to_direct_traces():
     settings = {"task": "causal_lm", "seq_len": 128}
     predicted = mp.predict_micro_batches(config, [1, 2, 3, 4, 6, 8, 12, 24], **settings)
     for m in (3, 6, 12):
-        direct = mp.trace_step(config, micro_batch_size=m, **settings).peak
+        direct = tracing.trace_step(config, micro_batch_size=m, **settings).peak
         assert predicted[m].peak == pytest.approx(direct, rel=0.03)
         assert predicted[m].peak >= direct * 0.999, "interpolation should err on the safe (high) side"
 
@@ -226,8 +228,8 @@ def test_fused_attention_traces_t5s_learned_position_bias_and_keeps_less_than_ma
 
     config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
     settings = {"task": "seq2seq", "micro_batch_size": 2, "seq_len": 128}
-    fused = mp.trace_phases(config, attention="fused", **settings)[0].activations_gradients_temporaries
-    math = mp.trace_phases(config, attention="math", **settings)[0].activations_gradients_temporaries
+    fused = tracing.trace_phases(config, attention="fused", **settings)[0].activations_gradients_temporaries
+    math = tracing.trace_phases(config, attention="math", **settings)[0].activations_gradients_temporaries
     scores = 2 * 4 * 128 * 128 * 4  # one layer's T × T scores, fp32
     assert fused < math - scores, (fused, math)
 
@@ -237,24 +239,24 @@ def test_4bit_base_counts_nf4_bytes_for_the_frozen_linear_layers_only():
     embeddings and head in bf16; the largest dequantized weight joins the temporaries."""
     config = tiny_llama()
     settings = {"task": "causal_lm", "micro_batch_size": 2, "seq_len": 64, "precision": "bf16", "lora_r": 4}
-    bf16 = mp.trace_phases(config, **settings)[0]
-    nf4 = mp.trace_phases(config, load_in_4bit=True, **settings)[0]
-    model = mp.build_model(config, "causal_lm", torch.bfloat16)
+    bf16 = tracing.trace_phases(config, **settings)[0]
+    nf4 = tracing.trace_phases(config, load_in_4bit=True, **settings)[0]
+    model = task_specs.build_model(config, "causal_lm", torch.bfloat16)
     linear = [m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear and m is not model.lm_head]
-    saving = sum(n * (2 - mp.NF4_BYTES_PER_PARAMETER) for n in linear)
+    saving = sum(n * (2 - tracing.NF4_BYTES_PER_PARAMETER) for n in linear)
     assert nf4.parameters == pytest.approx(bf16.parameters - saving)
     assert nf4.activations_gradients_temporaries == pytest.approx(
         bf16.activations_gradients_temporaries + 2 * max(linear)
     )
-    assert mp.NF4_BYTES_PER_PARAMETER == pytest.approx(0.516, abs=1e-3)
+    assert tracing.NF4_BYTES_PER_PARAMETER == pytest.approx(0.516, abs=1e-3)
     with pytest.raises(ConfigError, match="only LoRA adapters can train"):
-        mp.trace_step(config, task="causal_lm", micro_batch_size=1, seq_len=8, load_in_4bit=True)
+        tracing.trace_step(config, task="causal_lm", micro_batch_size=1, seq_len=8, load_in_4bit=True)
 
 
 def test_offloaded_activations_leave_the_gpu_peak_and_are_reported_as_host_bytes():
     config, settings = tiny_llama(4), {"task": "causal_lm", "micro_batch_size": 8, "seq_len": 128}
-    kept = mp.trace_phases(config, **settings)[0]
-    offloaded = mp.trace_phases(config, offload_activations=True, **settings)[0]
+    kept = tracing.trace_phases(config, **settings)[0]
+    offloaded = tracing.trace_phases(config, offload_activations=True, **settings)[0]
     saved = kept.activations_gradients_temporaries - offloaded.activations_gradients_temporaries
     assert saved > 0.5 * kept.activations_gradients_temporaries, (saved, kept)
     assert offloaded.host_offloaded >= saved and kept.host_offloaded == 0
@@ -262,12 +264,12 @@ def test_offloaded_activations_leave_the_gpu_peak_and_are_reported_as_host_bytes
 
 def test_low_bit_adamw_states_are_counted_per_parameter():
     config, settings = tiny_llama(), {"task": "causal_lm", "micro_batch_size": 1, "seq_len": 16}
-    sizes = [p.numel() for p in mp.build_model(config, "causal_lm").parameters()]
-    assert min(sizes) < mp.LOW_BIT_MIN_ELEMENTS <= max(sizes)  # both kinds of tensor are present
+    sizes = [p.numel() for p in task_specs.build_model(config, "causal_lm").parameters()]
+    assert min(sizes) < tracing.LOW_BIT_MIN_ELEMENTS <= max(sizes)  # both kinds of tensor are present
     for name, per_parameter in (("adamw_8bit", 2 * (1 + 4 / 256)), ("adamw_4bit", 2 * (0.5 + 4 / 128))):
-        state = mp.trace_phases(config, optimizer=name, **settings)[0].optimizer_state
+        state = tracing.trace_phases(config, optimizer=name, **settings)[0].optimizer_state
         # Tensors under 4,096 elements keep fp32 states, as bitsandbytes and torchao do.
-        expected = sum(n * per_parameter if n >= mp.LOW_BIT_MIN_ELEMENTS else 8 * n for n in sizes)
+        expected = sum(n * per_parameter if n >= tracing.LOW_BIT_MIN_ELEMENTS else 8 * n for n in sizes)
         assert state == pytest.approx(expected), name
 
 
@@ -286,16 +288,16 @@ def test_the_12_gib_tables_qlora_8b_and_low_memory_1_5b_rows_are_what_the_planne
         cell = cells[name]
         micro = cell["per_device_train_batch_size"]
         predicted = mp.predict_micro_batches(
-            mp.load_model_config(cell["model"]), sorted({micro, *traced_around}), task=cell["task"],
+            configs.load_model_config(cell["model"]), sorted({micro, *traced_around}), task=cell["task"],
             seq_len=cell["seq_len"], precision=cell["precision"], optimizer=cell["optimizer"],
             lora_r=cell.get("lora_r"), load_in_4bit=cell.get("load_in_4bit", False),
             gradient_checkpointing=cell["gradient_checkpointing"],
         )[micro]  # fmt: skip
-        assert predicted.peak / mp.GIB == pytest.approx(cell["predicted_gib"], rel=1e-3), (
-            f"{name}: the planner now predicts {predicted.peak / mp.GIB:.2f} GiB; regenerate the table "
+        assert predicted.peak / tracing.GIB == pytest.approx(cell["predicted_gib"], rel=1e-3), (
+            f"{name}: the planner now predicts {predicted.peak / tracing.GIB:.2f} GiB; regenerate the table "
             "with benchmarks/plan_12gb_table.py"
         )
-        assert mp.fits(predicted.peak, table["gpu_memory_gib"] * mp.GIB), name
+        assert mp.fits(predicted.peak, table["gpu_memory_gib"] * tracing.GIB), name
 
 
 @pytest.mark.parametrize(
@@ -321,7 +323,7 @@ def test_the_recommendation_is_a_whole_run_whose_flags_the_recipe_accepts(settin
         "task": "causal_lm", "seq_len": 1024, "effective_batch_size": 32, "num_processes": 1, "optimizer": "adamw",
         "lora_r": None, "recommended": recommended, **settings,
     }  # fmt: skip
-    line = mp.launch_line(result)
+    line = launch_line.launch_line(result)
     assert line.startswith(
         "accelerate launch --config_file accelerate_configs/single_gpu_bf16.yaml recipes/causal_lm.py"
     )
@@ -340,25 +342,25 @@ def test_the_recommendation_is_a_whole_run_whose_flags_the_recipe_accepts(settin
 def test_a_checkpointed_trace_leaves_the_callers_config_as_it_was():
     """Checkpointing sets use_cache=False on the model's config; a later trace must not inherit it."""
     config, settings = tiny_llama(), {"task": "causal_lm", "micro_batch_size": 4, "seq_len": 64}
-    before = mp.trace_phases(config, offload_activations=True, **settings)
-    mp.trace_phases(config, gradient_checkpointing=True, **settings)
+    before = tracing.trace_phases(config, offload_activations=True, **settings)
+    tracing.trace_phases(config, gradient_checkpointing=True, **settings)
     assert config.use_cache is True
-    assert mp.trace_phases(config, offload_activations=True, **settings) == before
+    assert tracing.trace_phases(config, offload_activations=True, **settings) == before
 
 
 def test_offloading_copies_are_priced_against_compute():
     # 4 × 512 tokens: utilisation 2048 / (2048 + 2048) = 0.5, so compute = 2048 × 6e9 / (12e12 × 0.5) = 2.048 s;
     # 10 GB to host and back at 20 GB/s = 1 s.
-    plain = mp.relative_throughput(4, 512, False)
-    priced = mp.relative_throughput(
+    plain = throughput.relative_throughput(4, 512, False)
+    priced = throughput.relative_throughput(
         4, 512, False, offloaded_bytes=10e9, flops_per_token=6e9, gpu_tflops=12, pcie_gbps=20
     )
     assert plain == 0.5 and priced == pytest.approx(0.5 * 2.048 / 3.048)
     # Recomputation is one more forward: a third of 6N in full fine-tuning, half of 4N under LoRA.
-    assert mp.relative_throughput(4, 512, True) == 0.5 * 3 / 4
-    assert mp.relative_throughput(4, 512, True, trains_base_weights=False) == pytest.approx(0.5 * 2 / 3)
+    assert throughput.relative_throughput(4, 512, True) == 0.5 * 3 / 4
+    assert throughput.relative_throughput(4, 512, True, trains_base_weights=False) == pytest.approx(0.5 * 2 / 3)
     # With checkpointing the compute takes 4/3 as long, so the same copies cost a smaller share.
-    checkpointed = mp.relative_throughput(
+    checkpointed = throughput.relative_throughput(
         4, 512, True, offloaded_bytes=10e9, flops_per_token=6e9, gpu_tflops=12, pcie_gbps=20
     )
     assert checkpointed == pytest.approx(0.375 * 2.048 * 4 / 3 / (2.048 * 4 / 3 + 1))
@@ -368,12 +370,12 @@ def test_offloading_copies_are_priced_against_compute():
 def test_training_flops_are_6n_per_token_and_4n_with_a_frozen_base(tied):
     config = tiny_llama()
     config.tie_word_embeddings = tied
-    model = mp.build_model(config, "causal_lm")
+    model = task_specs.build_model(config, "causal_lm")
     total = sum(p.numel() for p in model.parameters())
     # The input embedding is a lookup, not a matmul, unless the output layer shares it.
     matmul = total if tied else total - config.vocab_size * config.hidden_size
-    assert mp.training_flops_per_token(config, "causal_lm", trains_base_weights=True) == 6 * matmul
-    assert mp.training_flops_per_token(config, "causal_lm", trains_base_weights=False) == 4 * matmul
+    assert throughput.training_flops_per_token(config, "causal_lm", trains_base_weights=True) == 6 * matmul
+    assert throughput.training_flops_per_token(config, "causal_lm", trains_base_weights=False) == 4 * matmul
 
 
 @pytest.mark.launch
@@ -413,14 +415,19 @@ def test_the_plan_offloads_only_where_a_split_does_not_fit_without_it_and_the_co
 def test_a_measured_offloading_slowdown_gives_back_the_bandwidth_of_the_copy_model():
     """implied_copy_gbps inverts relative_throughput's copy term: feed it the speeds the model predicts."""
     flops, gbps, host = 6 * 124e6, 25.0, 3e9
-    plain = mp.relative_throughput(8, 1024, False)
-    offloaded = mp.relative_throughput(8, 1024, False, offloaded_bytes=host, flops_per_token=flops, pcie_gbps=gbps)
-    # relative speeds → samples per second on the assumed card: u × TFLOP/s / (6N × tokens per sample)
-    samples_per_second = plain * mp.ASSUMED_GPU_TFLOPS * 1e12 / (flops * 1024)
-    assert mp.implied_copy_gbps(host, 8, samples_per_second, samples_per_second * offloaded / plain) == pytest.approx(
-        gbps
+    plain = throughput.relative_throughput(8, 1024, False)
+    offloaded = throughput.relative_throughput(
+        8, 1024, False, offloaded_bytes=host, flops_per_token=flops, pcie_gbps=gbps
     )
-    assert mp.implied_copy_gbps(host, 8, 10.0, 10.0) is None and mp.implied_copy_gbps(host, 8, 10.0, 11.0) is None
+    # relative speeds → samples per second on the assumed card: u × TFLOP/s / (6N × tokens per sample)
+    samples_per_second = plain * throughput.ASSUMED_GPU_TFLOPS * 1e12 / (flops * 1024)
+    assert throughput.implied_copy_gbps(
+        host, 8, samples_per_second, samples_per_second * offloaded / plain
+    ) == pytest.approx(gbps)
+    assert (
+        throughput.implied_copy_gbps(host, 8, 10.0, 10.0) is None
+        and throughput.implied_copy_gbps(host, 8, 10.0, 11.0) is None
+    )
 
 
 def test_preference_plans_two_sequences_per_pair_and_the_reference_the_run_keeps():
@@ -429,14 +436,14 @@ def test_preference_plans_two_sequences_per_pair_and_the_reference_the_run_keeps
     LoRA the reference is the same model (no bytes more in weights); the fake trace of each runs
     for real on CPU tensors too (within 5%)."""
     config, m, seq_len = tiny_llama(), 2, 64
-    traced = lambda task, micro, **settings: mp.trace_micro_batches(  # noqa: E731
+    traced = lambda task, micro, **settings: tracing.trace_micro_batches(  # noqa: E731
         config, [micro], task=task, seq_len=seq_len, **settings
     )[micro][0]
     precomputed = traced("preference", m, precompute_ref_log_probs=True)
     assert precomputed == traced("causal_lm", 2 * m)  # no reference: the step of 2m sequences
     assert precomputed == traced("preference", m, preference_loss="orpo")
     copy = traced("preference", m)
-    model = mp.build_model(config, "causal_lm")
+    model = task_specs.build_model(config, "causal_lm")
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])  # rotary too
     assert copy.parameters - precomputed.parameters == weights
     assert copy.optimizer_state == precomputed.optimizer_state
@@ -472,7 +479,7 @@ def test_a_grpo_plan_scores_only_the_completion_and_is_a_run_of_the_grpo_recipe(
     from ft_accum.training.arguments import parse_args
 
     config, m, seq_len = tiny_llama(), 4, 96
-    traced = lambda task, **settings: mp.trace_micro_batches(  # noqa: E731
+    traced = lambda task, **settings: tracing.trace_micro_batches(  # noqa: E731
         config, [m], task=task, seq_len=seq_len, loss_path="logits", **settings
     )[m][0]
     grpo, whole = traced("grpo", completion_length=16), traced("grpo", completion_length=seq_len - 1)
@@ -500,9 +507,13 @@ def test_a_lora_plan_counts_the_base_in_the_dtype_the_recipes_load_it_in(precisi
     from ft_accum.models.lora import LoraSettings, apply_lora
 
     config = tiny_llama()
-    traced = mp.trace_phases(config, task="causal_lm", micro_batch_size=1, seq_len=8, precision=precision, lora_r=4)
+    traced = tracing.trace_phases(
+        config, task="causal_lm", micro_batch_size=1, seq_len=8, precision=precision, lora_r=4
+    )
     torch.manual_seed(0)
-    model = cast_and_compile(mp.build_model(config, "causal_lm"), "float32", False, mixed_precision, frozen_base=True)
+    model = cast_and_compile(
+        task_specs.build_model(config, "causal_lm"), "float32", False, mixed_precision, frozen_base=True
+    )
     model = apply_lora(
         model, LoraSettings(r=4, alpha=8, dropout=0.0, target_modules="all-linear"), gradient_checkpointing=False
     )
@@ -523,10 +534,10 @@ def test_the_plan_traces_the_recipes_own_step(tmp_path):
     twice = twice.replace('reduction="sum")', 'reduction="sum") + 0 * again.sum()')
     copy = tmp_path / "my_classifier.py"
     copy.write_text(source.replace(step, twice))
-    config = mp.load_model_config(str(ROOT / "ft_accum" / "planner" / "model_configs" / "bert-base-uncased.json"))
+    config = configs.load_model_config(str(ROOT / "ft_accum" / "planner" / "model_configs" / "bert-base-uncased.json"))
     settings = {"task": "text_classification", "micro_batch_size": 16, "seq_len": 128}
-    shipped = mp.trace_phases(config, **settings)[0].activations_gradients_temporaries
-    copied = mp.trace_phases(config, recipe=copy, **settings)[0].activations_gradients_temporaries
+    shipped = tracing.trace_phases(config, **settings)[0].activations_gradients_temporaries
+    copied = tracing.trace_phases(config, recipe=copy, **settings)[0].activations_gradients_temporaries
     # A second forward whose graph the backward needs holds a second set of activations: ~2×.
     assert 1.7 < copied / shipped < 2.3, (copied, shipped)
 
@@ -542,11 +553,11 @@ def test_a_distillation_plan_holds_the_teacher_trains_the_student_and_chunks_bel
 
     config, m, seq_len = tiny_llama(layers=4), 4, 96
     config.vocab_size = 16384
-    traced = lambda **settings: mp.trace_micro_batches(  # noqa: E731
+    traced = lambda **settings: tracing.trace_micro_batches(  # noqa: E731
         config, [m], task="distillation", seq_len=seq_len, precision="fp32", **settings
     )[m][0]
     chunked, full = traced(), traced(loss_path="logits")
-    student, teacher = (mp.build_model(c, "causal_lm") for c in (mp.student_config(config, None), config))
+    student, teacher = (task_specs.build_model(c, "causal_lm") for c in (student_config(config, None), config))
     nbytes = lambda model: sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])  # noqa: E731
     assert chunked.parameters == nbytes(student) + nbytes(teacher)
     moments = 2 * sum(p.numel() * 4 for p in student.parameters())

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, T5Config, T5ForConditionalGenerat
 
 from ft_accum.core.loss_normalization import causal_lm_loss_sum
 from ft_accum.models.output_loss import OutputLoss, linear_cross_entropy_sum, shift_labels, token_log_probs
-from ft_accum.planner import memory_planner
+from ft_accum.planner import configs, tracing
 from ft_accum.testing import reset_accelerate_state
 
 
@@ -207,11 +207,11 @@ def test_under_bf16_autocast_the_chunked_loss_runs_the_head_in_bf16_like_the_mod
 def test_the_chunked_step_keeps_far_fewer_bytes_alive_than_the_logits_path():
     """The planner's tracker on the real tensors of one step: a 49k-entry vocabulary, 4 × 512 tokens
     (three chunks of the output layer); 128 wide, since the width scales the time, not the logits."""
-    config = memory_planner.load_model_config("gpt2-124m")
+    config = configs.load_model_config("gpt2-124m")
     config.n_layer, config.vocab_size, config.n_embd, config.n_head = 1, 49152, 128, 2
     peaks = {}
     for loss_path in ("chunked", "logits", "model"):
-        forward_backward, _ = memory_planner.trace_phases(
+        forward_backward, _ = tracing.trace_phases(
             config, task="causal_lm", micro_batch_size=4, seq_len=512, loss_path=loss_path, real_tensors=True
         )
         peaks[loss_path] = forward_backward.activations_gradients_temporaries
@@ -255,13 +255,13 @@ def test_the_grpo_step_keeps_fewer_copies_of_the_completion_logits():
 
     from ft_accum.training import generation_round
 
-    config = memory_planner.load_model_config("gpt2-124m")
+    config = configs.load_model_config("gpt2-124m")
     config.n_layer, config.vocab_size, config.n_embd, config.n_head = 1, 49152, 128, 2
     settings = dict(task="grpo", micro_batch_size=4, seq_len=288, completion_length=256, real_tensors=True)
     small_chunks = functools.partial(token_log_probs, logits_per_chunk=1 << 21)
     with mock.patch.object(generation_round, "token_log_probs", small_chunks):
-        chunked = memory_planner.trace_phases(config, **settings)[0].activations_gradients_temporaries
+        chunked = tracing.trace_phases(config, **settings)[0].activations_gradients_temporaries
     with mock.patch.object(generation_round, "token_log_probs", unchunked_token_log_probs):
-        unchunked = memory_planner.trace_phases(config, **settings)[0].activations_gradients_temporaries
+        unchunked = tracing.trace_phases(config, **settings)[0].activations_gradients_temporaries
     fp32_logits = 4 * 256 * 49152 * 4
     assert unchunked - chunked >= 1.5 * fp32_logits, (unchunked, chunked)

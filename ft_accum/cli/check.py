@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TOLERANCE = 1e-5  # fp32 runs that differ only in summation order agree to ~1e-7
-ROOT = Path(__file__).resolve().parents[2]
 FSDP_TIMEOUT = 60  # --ddp_timeout of the FSDP run: a process left waiting stops it after this long
 
 
@@ -239,7 +238,9 @@ def end_of_run_under_fsdp(
     import yaml
 
     name = "FSDP, 2 CPU processes: the end of the run ends"
-    config = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp.yaml").read_text()) | {"mixed_precision": "no"}
+    from ft_accum.training.recipe_files import accelerate_configs_dir
+
+    config = yaml.safe_load((accelerate_configs_dir() / "fsdp.yaml").read_text()) | {"mixed_precision": "no"}
     work.mkdir(parents=True, exist_ok=True)
     (work / "fsdp.yaml").write_text(yaml.safe_dump(config))
     with socket.socket() as s:  # a free port for the launch's rendezvous
@@ -299,9 +300,16 @@ def main(argv: list[str]) -> int:
     )
     options, flags = parser.parse_known_args(argv)
     if not options.recipe.is_file():
-        raise SystemExit(
-            f"error: {options.recipe} does not exist; pass a recipe file, e.g. recipes/text_classification.py"
-        )
+        from ft_accum.core.errors import ConfigError
+        from ft_accum.training.recipe_files import shipped_recipe
+
+        try:  # a shipped recipe's name
+            options.recipe = shipped_recipe(options.recipe.name)
+        except ConfigError:
+            raise SystemExit(
+                f"error: {options.recipe} does not exist; pass a recipe file (recipes/my_task.py) or a shipped "
+                "recipe's name (ft-accum ls)"
+            ) from None
     results = check(options.recipe, flags, options.rows, options.num_layers, options.eval_rows, not options.skip_fsdp)
     print(f"ft-accum check {options.recipe}")
     print(format_table(results))

@@ -1,5 +1,7 @@
 """`ft-accum`: command-line tools that sit beside the recipes.
 
+ft-accum ls
+ft-accum cp text_classification my_task.py
 ft-accum launch [accelerate launch options] recipes/text_classification.py [recipe flags]
 ft-accum check recipes/my_recipe.py [recipe flags]
 ft-accum plan --model gpt2-124m --task causal_lm --seq_len 512 --effective_batch_size 64 --gpu_memory 12GiB
@@ -68,9 +70,40 @@ def report_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def ls_command(args: argparse.Namespace) -> int:
+    from ft_accum.training import recipe_files
+
+    print("recipes (copy one out to edit: ft-accum cp <recipe> [my_task.py]):")
+    for name in recipe_files.recipe_names():
+        print(f"  {name:26s} {recipe_files.describe(recipe_files.shipped_recipe(name))}")
+    print("Accelerate configs, hardware and precision (ft-accum cp <config> [folder]):")
+    print("  " + "  ".join(recipe_files.accelerate_config_names()))
+    print(f"shipped in {recipe_files.shipped_dir().resolve()}")
+    return 0
+
+
+def cp_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ft_accum.training import recipe_files
+
+    destination = Path(args.destination)
+    if args.name.endswith(".yaml") or args.name in recipe_files.accelerate_config_names():
+        print(f"wrote {recipe_files.copy_accelerate_config(args.name, destination)}")
+        return 0
+    written = recipe_files.copy_recipe(args.name, destination)
+    print("wrote " + " and ".join(map(str, written)))
+    config = f" --config {written[1]}" if len(written) > 1 else ""
+    cpu = recipe_files.find_accelerate_config("cpu.yaml")
+    print(
+        f"run it (on a CPU; ft-accum ls lists the GPU configs): accelerate launch --config_file {cpu} {written[0]}{config}"
+    )
+    return 0
+
+
 def format_plan(result: dict) -> str:
     """The candidates as an aligned table, the recommendation last, as a split and as a whole run."""
-    from ft_accum.planner import memory_planner
+    from ft_accum.planner.launch_line import launch_line
 
     offloading = result.get("offload_activations")  # allowed; each candidate says whether it uses it
     lines = [
@@ -114,7 +147,7 @@ def format_plan(result: dict) -> str:
             + (" --gradient_checkpointing" if best["gradient_checkpointing"] else "")
             + f"  (predicted peak {best['peak_gib']:.2f} GiB)"
         )
-        lines.append(f"as a run:    {memory_planner.launch_line(result)}")
+        lines.append(f"as a run:    {launch_line(result)}")
         if best.get("offload_activations"):
             lines.append(
                 f"offloading:  {best['host_gib']:.2f} GiB to host memory and back per micro-batch; its copies make the "
@@ -128,7 +161,7 @@ def format_plan(result: dict) -> str:
     if offloading:
         lines.append("(offloading is tried only for the splits that do not fit without it: it only adds copies)")
     lines.append(
-        f"(a prediction from a traced step on fake tensors, in {result['seconds']} s; see ft_accum/planner/memory_planner.py for its limits)"
+        f"(a prediction from a traced step on fake tensors, in {result['seconds']} s; see ft_accum/planner/tracing.py for its limits)"
     )
     return "\n".join(lines)
 
@@ -145,7 +178,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ft_accum.planner import memory_planner
+    from ft_accum.planner import configs, task_specs, throughput, tracing
 
     parser = OneLineParser(prog="ft-accum", description="Tools for exact gradient accumulation on one small GPU.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -166,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict peak GPU memory and pick micro-batch × accumulation × checkpointing",
         description="Trace one training step on fake tensors (no GPU, no weights, no download) and list every exact split of "
         "the effective batch with its predicted peak memory. Shipped configs: "
-        + ", ".join(memory_planner.shipped_config_names()),
+        + ", ".join(configs.shipped_config_names()),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     plan.add_argument(
@@ -180,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--task",
         default="causal_lm",
-        choices=memory_planner.TASKS,
+        choices=task_specs.TASKS,
         help="preference: recipes/preference_tuning.py, a sample is a pair (two sequences of --seq_len); "
         "grpo: recipes/grpo.py, a sample is a completion (--seq_len = prompt + completion tokens); "
         "distillation: recipes/distillation.py, --model is the teacher, the student --student_layers of its layers",
@@ -190,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--loss",
         default="dpo",
-        choices=memory_planner.PREFERENCE_LOSSES,
+        choices=task_specs.PREFERENCE_LOSSES,
         help="--task preference: dpo keeps a reference (the adapters off under LoRA, else a frozen copy)",
     )
     plan.add_argument(
@@ -217,11 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--gpu_memory", default="12GiB", help="memory of one card, e.g. 12GiB")
     plan.add_argument("--num_processes", type=int, default=1, help="GPUs (data parallel); the plan is per GPU")
-    plan.add_argument("--precision", default="bf16-mixed", choices=memory_planner.PRECISIONS)
+    plan.add_argument("--precision", default="bf16-mixed", choices=tracing.PRECISIONS)
     plan.add_argument(
         "--optimizer",
         default="adamw",
-        choices=memory_planner.OPTIMIZERS,
+        choices=tracing.OPTIMIZERS,
         help="adamw_8bit: 8-bit states (the recipes' --optim adamw_8bit, or adamw_torch_8bit for bf16 weights); "
         "adamw_4bit: torchao's, "
         "planned for comparison, not in the recipes",
@@ -231,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--attention",
         default="fused",
-        choices=memory_planner.ATTENTION,
+        choices=tracing.ATTENTION,
         help="fused: CUDA's flash/memory-efficient SDPA (O(T) per head); math: T×T scores (eager attention, CPU runs)",
     )
     plan.add_argument(
@@ -252,17 +285,32 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--gpu_tflops",
         type=float,
-        default=memory_planner.ASSUMED_GPU_TFLOPS,
+        default=throughput.ASSUMED_GPU_TFLOPS,
         help="sustained training TFLOP/s of the card, to price offloading's copies (default %(default)g)",
     )
     plan.add_argument(
         "--pcie_gbps",
         type=float,
-        default=memory_planner.ASSUMED_PCIE_GBPS,
+        default=throughput.ASSUMED_PCIE_GBPS,
         help="pinned host-GPU copy bandwidth in GB/s, to price offloading's copies (default %(default)g)",
     )
     plan.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     plan.set_defaults(handler=plan_command)
+
+    ls_parser = commands.add_parser("ls", help="list the recipes and Accelerate configs that ship with ft-accum")
+    ls_parser.set_defaults(handler=ls_command)
+    cp_parser = commands.add_parser(
+        "cp",
+        help="copy a shipped recipe (with its config) or Accelerate config out to edit, as torchtune's tune cp",
+    )
+    cp_parser.add_argument("name", help="a recipe (text_classification) or an Accelerate config (cpu.yaml)")
+    cp_parser.add_argument(
+        "destination",
+        nargs="?",
+        default=".",
+        help="a new .py file (the config goes to configs/<its name>.yaml beside it) or a folder; default: here",
+    )
+    cp_parser.set_defaults(handler=cp_command)
 
     from ft_accum.cli import sweep
 

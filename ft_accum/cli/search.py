@@ -138,13 +138,11 @@ def load_search(search: Any, path: Path, recipe: Path, settings: dict[str, Any])
         unknown = sorted(set(plan) - set(PLAN_KEYS))
         if unknown:
             raise ConfigError(f"{where}.plan: unknown key(s) {', '.join(unknown)}; valid: {', '.join(PLAN_KEYS)}")
-        from ft_accum.planner import memory_planner
+        from ft_accum.planner import configs, memory_planner, task_specs
 
-        if plan["task"] not in memory_planner.TASKS:
-            raise ConfigError(
-                f"{where}.plan.task must be one of {', '.join(memory_planner.TASKS)}, got {plan['task']!r}"
-            )
-        memory_planner.load_model_config(plan["model"])  # a name it cannot find fails now, naming the shipped ones
+        if plan["task"] not in task_specs.TASKS:
+            raise ConfigError(f"{where}.plan.task must be one of {', '.join(task_specs.TASKS)}, got {plan['task']!r}")
+        configs.load_model_config(plan["model"])  # a name it cannot find fails now, naming the shipped ones
         memory_planner.parse_memory(str(plan.get("gpu_memory", "12GiB")))
     return {
         "n_trials": n_trials,

@@ -72,16 +72,10 @@ def parse_duration(text: str | int | float | None) -> float | None:
 
 
 def recipe_path(recipe: str, sweep_file: Path) -> Path:
-    """recipes/<name>.py next to the sweep file, in the working directory, or beside the package."""
-    candidates = [Path(recipe), sweep_file.parent / recipe]
-    name = recipe if recipe.endswith(".py") else f"{recipe}.py"
-    for root in (sweep_file.parent, Path.cwd(), Path(__file__).resolve().parents[2]):
-        candidates.append(root / "recipes" / name)
-    for candidate in candidates:
-        if candidate.is_file() and candidate.suffix == ".py":
-            return candidate.resolve()
-    known = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "recipes").glob("*.py"))
-    raise ConfigError(f"unknown recipe {recipe!r}; use one of {', '.join(known)}, or a path to a recipe file")
+    """The sweep's recipe: a path (from the working directory or the sweep file's folder), or a shipped one's name."""
+    from ft_accum.training.recipe_files import find_recipe
+
+    return find_recipe(recipe, sweep_file.parent)
 
 
 def recipe_settings(path: Path) -> dict[str, Any]:
@@ -130,10 +124,9 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
     recipe = recipe_path(str(spec["recipe"]), path)
     accelerate_config = spec.get("accelerate_config")
     if accelerate_config:
-        config_path = Path(accelerate_config) if Path(accelerate_config).is_file() else path.parent / accelerate_config
-        if not config_path.is_file():
-            raise ConfigError(f"accelerate_config {accelerate_config} does not exist; see accelerate_configs/")
-        accelerate_config = str(config_path.resolve())
+        from ft_accum.training.recipe_files import find_accelerate_config
+
+        accelerate_config = str(find_accelerate_config(accelerate_config, path.parent))
     base = spec.get("base") or {}
     if not isinstance(base, dict):
         raise ConfigError(f"{path}: base must be a mapping of setting: value, got {type(base).__name__}")

@@ -251,7 +251,10 @@ class RunTracker:
         if window.noise is not None:
             self.noise = window.noise
             state.noise_scale_ema, noise_columns = window.noise.at_sync(
-                self.accelerator, grad_norm=grad_norm, window_items=window.summary()["items"], ema=state.noise_scale_ema
+                self.accelerator,
+                grad_norm=grad_norm,
+                window_items=window.summary()["items"],
+                ema=state.noise_scale_ema,
             )
             columns |= noise_columns
         collective_timeout.POSITION.updates_done = state.step
