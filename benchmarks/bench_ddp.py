@@ -14,13 +14,11 @@ same two cores, so this measures DDP's cost (the gradient all-reduce, the split 
 --quick: image_classification only, 3 updates, once, the 1-process run in this process.
 """
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-from ft_accum.testing.benchmarking import launch_recipe, run_recipe, steady_rate
+from ft_accum.testing.benchmarking import launch_recipe, repeats_main, run_recipe, steady_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,16 +77,5 @@ def measure(repeats: int = 3, quick: bool = False) -> dict:
     }
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "ddp.json")
-    args = parser.parse_args()
-    results = measure(1 if args.quick else args.repeats, args.quick)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2))
-
-
 if __name__ == "__main__":
-    main()
+    repeats_main(measure, __doc__, ROOT / "benchmarks" / "results" / "ddp.json")

@@ -13,14 +13,12 @@ are interleaved within each repeat; the table gives the median over repeats.
 --quick: a tiny GPT-2 from a config, two settings, in this process (the figures mean nothing).
 """
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from ft_accum.testing.benchmarking import run_recipe
+from ft_accum.testing.benchmarking import repeats_main, run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,16 +95,5 @@ def measure(repeats: int = 3, quick: bool = False) -> dict:
     }
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "memory.json")
-    args = parser.parse_args()
-    results = measure(1 if args.quick else args.repeats, args.quick)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2))
-
-
 if __name__ == "__main__":
-    main()
+    repeats_main(measure, __doc__, ROOT / "benchmarks" / "results" / "memory.json")

@@ -441,14 +441,11 @@ def packed_rows(model_dir: Path, block: int, count: int) -> list[dict]:
     ]
 
 
-def steady_median(rates: list[float]) -> float:
-    """The median over updates, the first 2 (warm-up) left out when there are more than 3."""
-    return statistics.median(rates[2:] if len(rates) > 3 else rates)
-
-
 def timed_rates(clock, sequences: int) -> float:
     """Sequences per second over the updates after warm-up."""
-    return steady_median(clock.rates(sequences))
+    from ft_accum.testing.benchmarking import steady_rate
+
+    return steady_rate(clock.rates(sequences), warmup=2)
 
 
 def cuda_peak_gib() -> float:
@@ -502,9 +499,11 @@ def run_trainer(model_dir, rows, micro, accumulation, updates) -> tuple[float, f
 
 
 def run_recipe(model_dir, rows, micro, accumulation, updates, *flags: str) -> tuple[float, float]:
+    from ft_accum.testing.benchmarking import steady_rate
+
     args = lm_args(model_dir, len(rows[0]["input_ids"]), micro, accumulation, updates, False)
     _, peak, records = recipe_run("causal_lm", [*args, *flags], "bf16")
-    return steady_median([r["samples_per_second"] for r in records]), peak
+    return steady_rate([r["samples_per_second"] for r in records], warmup=2), peak
 
 
 def run_recipe_compiled(model_dir, rows, micro, accumulation, updates) -> tuple[float, float]:
@@ -590,6 +589,7 @@ def check_instruction_tuning(models: Path, dry_run: bool) -> Iterator[dict]:
     warm-up: full fine-tuning with packing off and on, and QLoRA (a 4-bit base, LoRA r 16) with
     packing on."""
     from ft_accum.planner.configs import load_model_config
+    from ft_accum.testing.benchmarking import steady_rate
 
     config = load_model_config("llama-3.1-8b")
     qwen = load_model_config("qwen2.5-0.5b")
@@ -621,7 +621,7 @@ def check_instruction_tuning(models: Path, dry_run: bool) -> Iterator[dict]:
     first = None
     for name, flags in variants.items():  # a row each, so that a run stopped at its limit keeps the first
         _, peak, records = recipe_run("instruction_tuning", [*common, *flags], "bf16")
-        rate = steady_median([r["tokens_per_second"] for r in records])
+        rate = steady_rate([r["tokens_per_second"] for r in records], warmup=2)
         first = first or (name, rate)
         yield {
             "check": f"instruction tuning, {name}, Llama of Qwen2.5-0.5B sizes, {micro} × {accumulation} × "
@@ -782,6 +782,7 @@ def check_distillation(models: Path, smollm2: Path | None, dry_run: bool) -> Ite
 
     from ft_accum.planner.tracing import trace_micro_batches
     from ft_accum.testing import make_tiny_chat_lm
+    from ft_accum.testing.benchmarking import steady_rate
 
     micro, accumulation, max_length = 8, 2, 512
     if dry_run:  # the tests' 2-layer, 32-wide Llama: a smoke test of the run, not figures
@@ -808,7 +809,7 @@ def check_distillation(models: Path, smollm2: Path | None, dry_run: bool) -> Ite
     ]
     with WidestDistillationBatch() as widest:
         _, measured, records = recipe_run("distillation", args, "bf16")
-    rate = steady_median([r["tokens_per_second"] for r in records])
+    rate = steady_rate([r["tokens_per_second"] for r in records], warmup=2)
     config = AutoConfig.from_pretrained(teacher)
     traced = trace_micro_batches(config, [micro], task="distillation", seq_len=widest.seq_len, precision="bf16-mixed")
     predicted = max(e.peak for e in traced[micro]) / 2**30

@@ -10,6 +10,7 @@ left out; the report gives the median over repeats and the median of the per-rep
 import contextlib
 import statistics
 import time
+from pathlib import Path
 
 
 def now() -> float:
@@ -78,9 +79,27 @@ def optimizer_state_bytes(optimizer) -> int:
     return total
 
 
-def steady_rate(rates: list[float]) -> float:
-    """Median per-update rate, the first update (warm-up: allocations, first-call overheads) left out."""
-    return statistics.median(rates[1:] if len(rates) > 1 else rates)
+def steady_rate(rates: list[float], warmup: int = 1) -> float:
+    """Median per-update rate, the first `warmup` updates (allocations, first-call overheads; on a GPU also
+    the allocator's and cuBLAS's first calls: 2) left out while more than `warmup` + 1 remain. The one
+    definition of a steady rate in the benchmarks."""
+    return statistics.median(rates[warmup:] if len(rates) > warmup + 1 else rates)
+
+
+def repeats_main(measure, description: str, default_output: Path) -> None:
+    """The command line of a benchmark that `measure(repeats, quick)`s: `--repeats N` (1 with `--quick`),
+    its JSON to `--output` (default `default_output`)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--output", type=Path, default=default_output)
+    args = parser.parse_args()
+    results = measure(1 if args.quick else args.repeats, args.quick)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
 
 
 def trainer_callback(clock: UpdateClock):
