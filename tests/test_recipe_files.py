@@ -38,7 +38,7 @@ def test_cp_copies_a_recipe_with_its_config_named_after_the_copy_and_never_overw
         recipe_files.copy_recipe("text_classification", target)
     assert ft_accum(["cp", "cpu.yaml", str(tmp_path)]) == 0
     assert (tmp_path / "cpu.yaml").read_text() == (ROOT / "accelerate_configs" / "cpu.yaml").read_text()
-    with pytest.raises(ConfigError, match="no shipped recipe 'text_clasification'.*text_classification"):
+    with pytest.raises(ConfigError, match="unknown recipe 'text_clasification'.*text_classification"):
         recipe_files.copy_recipe("text_clasification", tmp_path)
 
 

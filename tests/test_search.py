@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import CPU_CONFIG, FAULT_HOOKS, ROOT, read_metrics, run_in_process
 
-from ft_accum.cli import search as search_module
+from ft_accum.cli import search_results, search_space, search_study, search_trials
 from ft_accum.cli import sweep as sweep_module
 from ft_accum.cli.main import build_parser
 from ft_accum.cli.main import main as cli_main
@@ -64,7 +64,7 @@ def sweep_command(path, *extra):
 
 
 def load_study(tmp_path):
-    record = json.loads((tmp_path / "search_out" / search_module.SEARCH_FILE).read_text())
+    record = json.loads((tmp_path / "search_out" / search_results.SEARCH_FILE).read_text())
     storage = optuna.storages.JournalStorage(
         optuna.storages.journal.JournalFileBackend(record["storage"].removeprefix("journal:"))
     )
@@ -189,8 +189,8 @@ def test_a_metric_the_recipe_never_logs_is_caught_at_the_first_evaluation(tmp_pa
     record = {"epoch": 0, "step": 6, "eval_loss": 0.69, "eval_accuracy": 0.5, "eval_f1": 0.33}
     (tmp_path / "eval_metrics.jsonl").write_text(json.dumps(record) + "\n")
     search = {"metric": "eval_bleu"}
-    reporter = search_module.EvaluationReporter(trial, tmp_path, search, "text_classification.py", set())
-    with pytest.raises(search_module.MetricNotLogged) as error:
+    reporter = search_trials.EvaluationReporter(trial, tmp_path, search, "text_classification.py", set())
+    with pytest.raises(search_trials.MetricNotLogged) as error:
         reporter(process=None, began=0.0)
     assert str(error.value) == (
         "text_classification.py does not log eval_bleu at its evaluations; it logs eval_accuracy, eval_f1, "
@@ -237,12 +237,12 @@ def test_a_search_without_optuna_names_the_install(tmp_path, tiny_model_dir, dat
 def test_a_sampled_effective_batch_is_split_by_the_planner_or_the_base_micro_batch(tmp_path):
     # No plan: the largest micro-batch up to the base's that divides the effective batch per process.
     assert (
-        search_module.batch_settings({"effective_batch_size": 48, "per_device_train_batch_size": 16}, None, 8, 1)[
+        search_trials.batch_settings({"effective_batch_size": 48, "per_device_train_batch_size": 16}, None, 8, 1)[
             "per_device_train_batch_size"
         ]
         == 16
     )
-    split = search_module.batch_settings(
+    split = search_trials.batch_settings(
         {"effective_batch_size": 24, "gradient_accumulation_steps": 4, "per_device_train_batch_size": 16}, None, 8, 2
     )
     assert split["per_device_train_batch_size"] == 12 and "gradient_accumulation_steps" not in split
@@ -254,15 +254,15 @@ def test_a_sampled_effective_batch_is_split_by_the_planner_or_the_base_micro_bat
     plan = {"model": str(model), "task": "causal_lm", "seq_len": 64, "gpu_memory": "12GiB", "precision": "fp32"}
     expected = memory_planner.plan(str(model), task="causal_lm", seq_len=64, effective_batch_size=32,
                                    gpu_memory_gib=12, precision="fp32")["recommended"]  # fmt: skip
-    split = search_module.batch_settings({"effective_batch_size": 32, "per_device_train_batch_size": 4}, plan, 8, 1)
+    split = search_trials.batch_settings({"effective_batch_size": 32, "per_device_train_batch_size": 4}, plan, 8, 1)
     assert split["per_device_train_batch_size"] == expected["per_device_train_batch_size"] == 32  # all fit
     assert split.get("gradient_checkpointing", False) == expected["gradient_checkpointing"]
 
 
 def test_the_final_learning_rate_follows_the_recipes_scaling():
     args = {"learning_rate": 1e-4, "effective_batch_size": 64, "base_batch_size": 16, "lr_scaling": "sqrt"}
-    assert search_module.final_learning_rate(args, 1) == pytest.approx(2e-4)
-    assert search_module.final_learning_rate({**args, "lr_scaling": "none"}, 1) == pytest.approx(1e-4)
+    assert search_trials.final_learning_rate(args, 1) == pytest.approx(2e-4)
+    assert search_trials.final_learning_rate({**args, "lr_scaling": "none"}, 1) == pytest.approx(1e-4)
 
 
 def test_the_slurm_array_script_parses_and_runs_a_worker():
@@ -277,34 +277,34 @@ def test_the_slurm_array_script_parses_and_runs_a_worker():
 
 
 def test_an_abandoned_trial_is_recognised_by_its_dead_owner():
-    assert not search_module.owner_is_gone(search_module.this_process(), None, time.time())
+    assert not search_study.owner_is_gone(search_study.this_process(), None, time.time())
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = search_module.this_process().rsplit(":", 2)[0]
-    assert search_module.owner_is_gone(f"{host}:{dead.pid}:1", None, time.time())
+    host = search_study.this_process().rsplit(":", 2)[0]
+    assert search_study.owner_is_gone(f"{host}:{dead.pid}:1", None, time.time())
     # Another machine's sweep: alive while its heartbeat is fresh.
-    assert not search_module.owner_is_gone("elsewhere:1:1", time.time() - 60, time.time())
-    assert search_module.owner_is_gone("elsewhere:1:1", time.time() - search_module.STALE_SECONDS - 1, time.time())
+    assert not search_study.owner_is_gone("elsewhere:1:1", time.time() - 60, time.time())
+    assert search_study.owner_is_gone("elsewhere:1:1", time.time() - search_study.STALE_SECONDS - 1, time.time())
 
 
-@pytest.mark.parametrize("sampler", search_module.SAMPLERS)
+@pytest.mark.parametrize("sampler", search_space.SAMPLERS)
 def test_each_sampler_and_pruner_named_in_a_search_file_is_optunas(sampler):
     space = {"learning_rate": {"choices": [1e-4, 3e-4]}, "effective_batch_size": {"choices": [16, 32]}}
-    search = {"sampler": sampler, "seed": 0, "space": search_module.load_search(
+    search = {"sampler": sampler, "seed": 0, "space": search_space.load_search(
         {"n_trials": 2, "metric": "eval_loss", "space": space}, ROOT / "s.yaml",
         ROOT / "recipes" / "text_classification.py", sweep_module.recipe_settings(ROOT / "recipes" / "text_classification.py"),
     )["space"]}  # fmt: skip
     for pruner in ({"type": "median", "n_warmup_evaluations": 1}, {"type": "hyperband"}, {"type": "none"}):
         study = optuna.create_study(
-            sampler=search_module.make_sampler(optuna, search), pruner=search_module.make_pruner(optuna, pruner)
+            sampler=search_space.make_sampler(optuna, search), pruner=search_space.make_pruner(optuna, pruner)
         )
         for _ in range(2):
             trial = study.ask()
-            values = search_module.sample(trial, search["space"])
+            values = search_space.sample(trial, search["space"])
             assert values["learning_rate"] in (1e-4, 3e-4) and values["effective_batch_size"] in (16, 32)
             study.tell(trial, 1.0)
     expected = {"tpe": "TPESampler", "random": "RandomSampler", "grid": "GridSampler", "cmaes": "CmaEsSampler"}
-    assert type(search_module.make_sampler(optuna, search)).__name__ == expected[sampler]
+    assert type(search_space.make_sampler(optuna, search)).__name__ == expected[sampler]
 
 
 def test_a_dry_run_of_a_search_writes_nothing(tmp_path, tiny_model_dir, data_files, capsys):
@@ -324,7 +324,7 @@ def test_a_repeated_sample_is_told_the_earlier_trials_end_without_a_run():
     ):
         study.enqueue_trial(params)
         trial = study.ask()
-        search_module.sample(trial, space)
+        search_space.sample(trial, space)
         trial.set_user_attr("run", f"trial_{trial.number:04d}")
         for step, value in enumerate(values):
             trial.report(value, step)
@@ -332,7 +332,7 @@ def test_a_repeated_sample_is_told_the_earlier_trials_end_without_a_run():
     for params in ({"learning_rate": 1e-4}, {"learning_rate": 3e-4}):
         study.enqueue_trial(params)
         trial = study.ask()
-        assert search_module.tell_repeat(optuna, study, trial, search_module.sample(trial, space), "x", search)
+        assert search_trials.tell_repeat(optuna, study, trial, search_space.sample(trial, space), "x", search)
     first, pruned, repeat_first, repeat_pruned = study.get_trials()
     assert (repeat_first.state.name, repeat_first.value, repeat_first.intermediate_values) == (
         "COMPLETE",

@@ -186,11 +186,11 @@ def search_section(folder: Path, out: Path, plt) -> list[str]:
     """The search's trials table, its best trial's command, and Optuna's plots, as report.md lines."""
     import warnings
 
-    from ft_accum.cli import search
+    from ft_accum.cli import search_results
 
-    optuna, study, record = search.load_search_study(folder)
-    trials = search.trial_records(optuna, study, folder, record.get("num_processes", 1))
-    lines = search.summary_lines(trials, record) + [""]
+    optuna, study, record = search_results.load_search_study(folder)
+    trials = search_results.trial_records(optuna, study, folder, record.get("num_processes", 1))
+    lines = search_results.summary_lines(trials, record) + [""]
     import optuna.visualization.matplotlib as optuna_plots
 
     for filename, title, function in SEARCH_PLOTS:

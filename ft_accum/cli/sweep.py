@@ -145,7 +145,7 @@ def load_sweep(sweep_file: str | os.PathLike) -> dict[str, Any]:
         "timeout_per_run": parse_duration(spec.get("timeout_per_run")),
     }
     if "search" in spec:
-        from ft_accum.cli.search import load_search
+        from ft_accum.cli.search_space import load_search
 
         search = load_search(spec["search"], path, recipe, valid)
         return {**sweep, "search": search, "runs": [], "varied": sorted(search["space"])}

@@ -40,9 +40,13 @@ def accelerate_config_names() -> list[str]:
 
 def shipped_recipe(name: str) -> Path:
     """The shipped recipe `name` (`text_classification` or `text_classification.py`)."""
-    path = recipes_dir() / f"{name.removesuffix('.py')}.py"
+    stem = name.removesuffix(".py")
+    path = recipes_dir() / f"{stem}.py"
     if not path.is_file():
-        raise ConfigError(f"no shipped recipe {name!r}; `ft-accum ls` lists them: {', '.join(recipe_names())}")
+        raise ConfigError(
+            f"unknown recipe {stem!r}: no such file, and no shipped recipe of that name; give a path to a recipe "
+            f"file, or one of {', '.join(recipe_names())} (ft-accum ls)"
+        )
     return path
 
 
