@@ -162,7 +162,7 @@ def memory(num_pairs: int, micro: int, max_seq_length: int) -> dict:
 def retrieval_after_one_epoch(output_dir: Path) -> dict:
     """One epoch of the recipe's defaults at effective 16, naive 16 × 16, and exact 16 × 16 = 256."""
     from ft_accum.testing import reset_accelerate_state
-    from ft_accum.training.arguments import load_recipe_module
+    from ft_accum.training.recipe_modules import load_recipe_module
 
     source = (ROOT / "recipes" / "contrastive_embedding.py").read_text()
     naive = output_dir / "naive_contrastive_embedding.py"

@@ -8,7 +8,7 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from conftest import ROOT, load_recipe
 
-from ft_accum.training.arguments import read_yaml_config
+from ft_accum.training.yaml_config import read_yaml_config
 
 ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))

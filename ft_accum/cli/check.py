@@ -50,7 +50,7 @@ class Result:
 
 
 def load_recipe(path: Path):
-    from ft_accum.training.arguments import load_recipe_module
+    from ft_accum.training.recipe_modules import load_recipe_module
 
     module = load_recipe_module(path)
     if not callable(getattr(module, "main", None)):

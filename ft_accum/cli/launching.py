@@ -51,7 +51,7 @@ def replan_for_memory(args: dict[str, Any], recipe_defaults_micro: int) -> dict[
 def default_micro(recipe: Path) -> int:
     """The recipe's own default micro-batch, as its parser gives it with no config (a sweep's runs
     pass `--config=none` and their own settings: `command_for`)."""
-    from ft_accum.training.arguments import recipe_arguments
+    from ft_accum.training.recipe_modules import recipe_arguments
 
     return recipe_arguments(recipe, ["--config", "none"])[1].per_device_train_batch_size
 

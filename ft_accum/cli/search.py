@@ -122,7 +122,7 @@ def _raise_on_sigterm(signum, frame):
 
 
 def _num_processes(accelerate_config: str | None) -> int:
-    from ft_accum.training.arguments import read_yaml
+    from ft_accum.training.yaml_config import read_yaml
 
     config = read_yaml(Path(accelerate_config)) if accelerate_config else {}
     return int((config or {}).get("num_processes", 1) or 1)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_accum.core.errors import ConfigError
-from ft_accum.training.arguments import typed_value
+from ft_accum.training.yaml_config import typed_value
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes")
 

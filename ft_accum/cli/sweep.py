@@ -41,8 +41,8 @@ from ft_accum.cli.launching import (
     replan_for_memory,
 )
 from ft_accum.core.errors import ConfigError
-from ft_accum.training.arguments import read_yaml, typed_value
 from ft_accum.training.run_outputs import lock_output_dir
+from ft_accum.training.yaml_config import read_yaml, typed_value
 
 STATE_FILE = "sweep_state.json"
 SHORT_NAMES = {

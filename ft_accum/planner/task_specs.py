@@ -165,7 +165,7 @@ def _preference_step(module, loss: str, settings: dict) -> Step:
 def _grpo_step(module, loss: str, settings: dict) -> Step:
     """`training_step(task, accelerator, model, reference, batch)` with the recipe's parsed defaults at β = 0
     (no reference, so no accelerator call)."""
-    from ft_accum.training.arguments import recipe_arguments
+    from ft_accum.training.recipe_modules import recipe_arguments
 
     task_args = recipe_arguments(module, ["--config", "none", "--beta", "0"])[0]
     return lambda model, batch, reference: module.training_step(task_args, None, model, None, batch)[0]
@@ -309,7 +309,7 @@ def recipe_step(task: str, recipe: str | Path | None, loss: str, settings: dict 
     PyTorch loop and the Trainer run."""
     if loss == "model":
         return lambda model, batch, reference: model(**batch).loss
-    from ft_accum.training.arguments import load_recipe_module
+    from ft_accum.training.recipe_modules import load_recipe_module
 
     return task_spec(task).traced_step(load_recipe_module(recipe_path(task, recipe)), loss, settings or {})
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ft_accum.training.arguments import load_recipe_module
+from ft_accum.training.recipe_modules import load_recipe_module
 from ft_accum.training.run_setup import reset_accelerate_state
 
 ROOT = Path(__file__).resolve().parents[2]
