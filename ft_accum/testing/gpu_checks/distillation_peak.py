@@ -1,0 +1,76 @@
+"""GPU check 8: the distillation recipe's CUDA peak against the planner's, and its tokens per second."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ft_accum.testing.gpu_checks.common import planner_row, random_model_dir, recipe_run
+
+
+class WidestDistillationBatch:
+    """Records the widest micro-batch recipes/distillation.py trains on (its loss called with gradients
+    on: not the held-out passes): the sequence length the planner must be given."""
+
+    def __init__(self):
+        from ft_accum.models import output_divergence
+
+        self.module, self.original, self.seq_len = output_divergence, output_divergence.DistillationLoss.__call__, 0
+
+    def __enter__(self):
+        original = self.original
+
+        def measured(loss, model, teacher, labels, **inputs):
+            if torch.is_grad_enabled():
+                self.seq_len = max(self.seq_len, inputs["input_ids"].shape[1])
+            return original(loss, model, teacher, labels, **inputs)
+
+        self.module.DistillationLoss.__call__ = measured
+        return self
+
+    def __exit__(self, *exc):
+        self.module.DistillationLoss.__call__ = self.original
+
+
+def check_distillation(models: Path, smollm2: Path | None, dry_run: bool) -> Iterator[dict]:
+    """recipes/distillation.py (see the module docstring's check 8): the planner's peak against the run's."""
+    from transformers import AutoConfig
+
+    from ft_accum.planner.tracing import trace_micro_batches
+    from ft_accum.testing import make_tiny_chat_lm
+    from ft_accum.testing.benchmarking import steady_rate
+
+    micro, accumulation, max_length = 8, 2, 512
+    if dry_run:  # the tests' 2-layer, 32-wide Llama: a smoke test of the run, not figures
+        smollm2 = make_tiny_chat_lm(models / "tiny-chat-distillation")
+        micro, accumulation, max_length = 2, 2, 256
+    else:
+        from ft_accum.data.offline_assets import bundled_smollm2_dir
+
+        smollm2 = smollm2 or bundled_smollm2_dir()
+    teacher = random_model_dir(
+        AutoConfig.from_pretrained(smollm2), "causal_lm", models / "smollm2-135m-teacher", smollm2
+    )
+    args = [
+        f"--teacher_name_or_path={teacher}",
+        f"--per_device_train_batch_size={micro}",
+        f"--effective_batch_size={micro * accumulation}",
+        f"--max_seq_length={max_length}",
+        "--max_train_steps=3",
+        f"--max_train_samples={3 * micro * accumulation}",
+        "--max_eval_samples=2",
+        "--max_new_tokens=1",
+        "--learning_rate=1e-4",
+        "--lr_scaling=none",
+    ]
+    with WidestDistillationBatch() as widest:
+        _, measured, records = recipe_run("distillation", args, "bf16")
+    rate = steady_rate([r["tokens_per_second"] for r in records], warmup=2)
+    config = AutoConfig.from_pretrained(teacher)
+    traced = trace_micro_batches(config, [micro], task="distillation", seq_len=widest.seq_len, precision="bf16-mixed")
+    predicted = max(e.peak for e in traced[micro]) / 2**30
+    check = (
+        f"distillation planner / recipe peak, SmolLM2-135M sizes teaching half its layers, {micro} × "
+        f"{widest.seq_len} tokens, bf16"
+    )
+    yield planner_row(check, predicted, measured, dry_run, f"; {rate:,.0f} tokens/s", tokens_per_second=rate)
