@@ -431,7 +431,7 @@ def test_a_measured_offloading_slowdown_gives_back_the_bandwidth_of_the_copy_mod
 
 
 def test_preference_plans_two_sequences_per_pair_and_the_reference_the_run_keeps():
-    """--task preference (recipes/preference_tuning.py): m pairs are 2m sequences; full DPO adds a
+    """--task preference (recipes/preference_tuning.py's own `forward_pairs`): m pairs are 2m sequences; full DPO adds a
     frozen copy, exactly the model's weight bytes, which --precompute_ref_log_probs removes; under
     LoRA the reference is the same model (no bytes more in weights); the fake trace of each runs
     for real on CPU tensors too (within 5%)."""
@@ -440,7 +440,8 @@ def test_preference_plans_two_sequences_per_pair_and_the_reference_the_run_keeps
         config, [micro], task=task, seq_len=seq_len, **settings
     )[micro][0]
     precomputed = traced("preference", m, precompute_ref_log_probs=True)
-    assert precomputed == traced("causal_lm", 2 * m)  # no reference: the step of 2m sequences
+    causal = traced("causal_lm", 2 * m)  # no reference: the policy's weights and state only, as for 2m sequences
+    assert (precomputed.parameters, precomputed.optimizer_state) == (causal.parameters, causal.optimizer_state)
     assert precomputed == traced("preference", m, preference_loss="orpo")
     copy = traced("preference", m)
     model = task_specs.build_model(config, "causal_lm")

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from conftest import ROOT
+from transformers import BertConfig
 
 from ft_accum.cli.main import main as ft_accum
 from ft_accum.core.errors import ConfigError
@@ -78,12 +79,15 @@ def test_a_plain_install_lists_copies_plans_and_runs_the_recipes_from_anywhere(t
     run(*ft, "cp", "text_classification", "my_task.py")
     shipped_cpu = site / "ft_accum" / "_shipped" / "accelerate_configs" / "cpu.yaml"
     run(sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(shipped_cpu), "my_task.py",
-        "--max_train_steps", "2", "--max_eval_samples", "16", "--output_dir", "out")  # fmt: skip
+        "--max_train_steps", "2", "--max_train_samples", "96", "--max_eval_samples", "16", "--output_dir", "out")  # fmt: skip
     assert len((work / "out" / "metrics.jsonl").read_text().splitlines()) == 2
     assert (work / "out" / "final" / "model.safetensors").is_file()
     found = run(sys.executable, "-c", "from ft_accum.planner import task_specs\n"
                 "for task in task_specs.TASKS: print(task_specs.recipe_path(task))")  # fmt: skip
     assert all(line.startswith(str(site)) for line in found.splitlines()) and len(found.splitlines()) == 8
-    plan = run(*ft, "plan", "--task", "text_classification", "--model", "bert-base-uncased", "--seq_len", "64",
+    # The plan traces the installed copy of the recipe's step; a 2-layer BERT keeps the trace short.
+    tiny_bert = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+    (work / "bert.json").write_text(tiny_bert.to_json_string())
+    plan = run(*ft, "plan", "--task", "text_classification", "--model", "bert.json", "--seq_len", "64",
                "--effective_batch_size", "16", "--gpu_memory", "12GiB")  # fmt: skip
-    assert "as a run:" in plan
+    assert "as a run:" in plan and "recipes/text_classification.py" in plan

@@ -54,8 +54,12 @@ def causal_lm_batch(config, micro_batch_size: int, seq_len: int, completion_leng
 
 
 def preference_batch(config, micro_batch_size: int, seq_len: int, completion_length: int | None = None) -> dict:
-    """m pairs as 2m packed rows (chosen, then rejected), as the recipe's one forward runs them."""
-    return causal_lm_batch(config, 2 * micro_batch_size, seq_len)
+    """m pairs as chat_data.collate_pairs makes them: chosen and rejected ids, masks and labels, and each
+    pair's index (where a precomputed reference log-prob is looked up); the recipe runs them as 2m rows."""
+    ids = torch.randint(0, config.vocab_size, (micro_batch_size, seq_len))
+    columns = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    batch = {f"{side}_{k}": v for side in ("chosen", "rejected") for k, v in columns.items()}
+    return {**batch, "pair_index": torch.arange(micro_batch_size)}
 
 
 def grpo_batch(config, micro_batch_size: int, seq_len: int, completion_length: int | None = None) -> dict:
@@ -122,24 +126,6 @@ def traced_distillation_loss(model, teacher, loss: str):
     )
 
 
-def preference_step(model, batch: dict, loss: str, reference=None) -> torch.Tensor:
-    """A preference micro-batch (each pair's two sequences as rows) through the recipes' `OutputLoss`;
-    DPO's `reference` ("adapters_off": the same model with its LoRA adapters off, or a frozen copy) then
-    runs a forward without grad while the policy's activations wait for the backward, as in
-    recipes/preference_tuning.py."""
-    loss_fn = traced_output_loss(model, loss)
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    loss_sum, _ = loss_fn(model, batch["labels"], **inputs)
-    if reference is not None:
-        with torch.no_grad():
-            if reference == "adapters_off":
-                with model.disable_adapter():
-                    loss_fn.per_row(model, batch["labels"], **inputs)
-            else:
-                traced_output_loss(reference, loss).per_row(reference, batch["labels"], **inputs)
-    return loss_sum
-
-
 def _sample_step(module, loss: str, settings: dict) -> Step:
     """`training_step(model, batch)`: the model's head computes the logits (classification, tagging)."""
     return lambda model, batch, reference: module.training_step(model, batch)
@@ -156,10 +142,44 @@ def _token_step(shift: bool) -> Callable[[Any, str, dict], Step]:
     return step
 
 
+class _NotWrapped:
+    """What the preference recipe's `forward_pairs` asks of its accelerator: the model as it is (the trace's
+    is not wrapped by Accelerate)."""
+
+    @staticmethod
+    def unwrap_model(model):
+        return model
+
+
 def _preference_step(module, loss: str, settings: dict) -> Step:
-    """The planner's own pair step (`preference_step`): the recipe's `forward_pairs` needs its tokenized
-    pair format and a real reference, not yet traced from the file."""
-    return lambda model, batch, reference: preference_step(model, batch, loss, reference)
+    """The recipe's `forward_pairs(task, accelerator, model, batch, output_loss=, reference=, reference_loss=)`
+    with its parsed defaults at the plan's --loss; the trace's `reference` is "adapters_off" (DPO under
+    LoRA: the policy with its adapters off), a frozen copy, or None (no reference model: DPO's log-probs
+    read from a table, or SimPO and ORPO, which have no reference). The window's ORPO weight of the NLL is
+    1 here: a scalar, no memory."""
+    from ft_accum.training.recipe_modules import recipe_arguments
+
+    task_args = recipe_arguments(module, ["--config", "none", "--loss", settings.get("preference_loss", "dpo")])[0]
+
+    def step(model, batch, reference):
+        if reference == "adapters_off":
+            reference, reference_loss = None, None
+        elif reference is None:  # precomputed: the table's rows, looked up by pair index
+            reference, reference_loss = torch.zeros(len(batch["pair_index"]), 2), None
+        else:
+            reference_loss = traced_output_loss(reference, loss)
+        terms = module.forward_pairs(
+            task_args,
+            _NotWrapped,
+            model,
+            batch,
+            output_loss=traced_output_loss(model, loss),
+            reference=reference,
+            reference_loss=reference_loss,
+        )
+        return terms.loss_sum + terms.nll_sum
+
+    return step
 
 
 def _grpo_step(module, loss: str, settings: dict) -> Step:

@@ -299,7 +299,7 @@ def trace_micro_batches(
             "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --lora_r 16"
         )
     spec = task_spec(task)
-    step = recipe_step(task, recipe, loss_path)
+    step = recipe_step(task, recipe, loss_path, {"preference_loss": preference_loss})
     torch.manual_seed(0)
     config = copy.deepcopy(config)  # the model shares it, and checkpointing sets use_cache on it below
     with contextlib.nullcontext() if real_tensors else FakeTensorMode():
