@@ -31,12 +31,12 @@ from ft_accum.testing.benchmarking import launch_in_tree
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_default(tree: Path, recipe: str, output_dir: Path, updates: int) -> None:
-    """The recipe's docstring command (its config on cpu.yaml), cut to `updates` updates."""
+def run_default(tree: Path, recipe: str, output_dir: Path, updates: int, flags: list[str]) -> None:
+    """The recipe's docstring command (its config on cpu.yaml), cut to `updates` updates, with `flags`."""
     if (output_dir / "final").is_dir():
         return
     config = ["--config", str(tree / "recipes/configs" / f"{recipe}.yaml"), "--max_train_steps", str(updates)]
-    launch_in_tree(tree, recipe, [*config, "--overwrite_output_dir", "true"], output_dir)
+    launch_in_tree(tree, recipe, [*config, *flags, "--overwrite_output_dir", "true"], output_dir)
 
 
 def main(argv=None) -> None:
@@ -48,6 +48,12 @@ def main(argv=None) -> None:
     parser.add_argument("--recipes", nargs="*", default=sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
     parser.add_argument("--updates", type=int, default=10)
     parser.add_argument("--sha256", action="store_true", help="also compare every weight file bit for bit")
+    parser.add_argument(
+        "--flags",
+        default="",
+        help="more recipe flags for both sides, e.g. '--max_eval_samples 4' (the evaluations, not the updates, "
+        "are most of a short run's time)",
+    )
     parser.add_argument("--output", type=Path, help="the JSON table (default results/final_weights_<commit>.json)")
     parser.add_argument("--only", choices=["theirs", "ours"], help="run one side only (e.g. the baseline first)")
     args = parser.parse_args(argv)
@@ -57,9 +63,9 @@ def main(argv=None) -> None:
     results, identical = {}, {}
     for recipe in args.recipes:
         if args.only != "ours":
-            run_default(base, recipe, args.out / "theirs" / recipe, args.updates)
+            run_default(base, recipe, args.out / "theirs" / recipe, args.updates, args.flags.split())
         if args.only != "theirs":
-            run_default(ROOT, recipe, args.out / "ours" / recipe, args.updates)
+            run_default(ROOT, recipe, args.out / "ours" / recipe, args.updates, args.flags.split())
         if args.only is None:
             results[recipe] = relative_error(
                 final_weights(args.out / "ours" / recipe), final_weights(args.out / "theirs" / recipe)
@@ -70,7 +76,7 @@ def main(argv=None) -> None:
                 line += "  bit-identical" if identical[recipe] else "  NOT bit-identical"
             print(line, flush=True)
     if results:
-        table = {"commit": args.commit, "updates": args.updates, "relative_difference": results}
+        table = {"commit": args.commit, "updates": args.updates, "flags": args.flags, "relative_difference": results}
         table |= {"bit_identical": identical} if args.sha256 else {}
         print(json.dumps(table))
         output = args.output or ROOT / "benchmarks" / "results" / f"final_weights_{args.commit}.json"
