@@ -24,7 +24,7 @@ def test_ls_lists_every_recipe_and_accelerate_config(capsys):
         assert config.name in out
 
 
-def test_cp_copies_a_recipe_with_its_config_named_after_the_copy_and_never_overwrites(tmp_path, capsys):
+def test_cp_copies_a_recipe_with_its_config_named_after_the_copy_and_never_overwrites(tmp_path, capsys, monkeypatch):
     target = tmp_path / "tasks" / "my_task.py"
     assert ft_accum(["cp", "text_classification", str(target)]) == 0
     copy, config = target.read_text(), tmp_path / "tasks" / "configs" / "my_task.yaml"
@@ -37,6 +37,10 @@ def test_cp_copies_a_recipe_with_its_config_named_after_the_copy_and_never_overw
     assert recipe_files.config_of(target) == config  # where run_main reads a recipe's default config
     with pytest.raises(ConfigError, match="already exist"):
         recipe_files.copy_recipe("text_classification", target)
+    # A cpu.yaml of the user's own in the working directory is not what `cp` copies: the shipped one is.
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "cpu.yaml").write_text("compute_environment: MY_OWN\n")
+    monkeypatch.chdir(tmp_path / "here")
     assert ft_accum(["cp", "cpu.yaml", str(tmp_path)]) == 0
     assert (tmp_path / "cpu.yaml").read_text() == (ROOT / "accelerate_configs" / "cpu.yaml").read_text()
     with pytest.raises(ConfigError, match="unknown recipe 'text_clasification'.*text_classification"):

@@ -88,13 +88,13 @@ def cp_command(args: argparse.Namespace) -> int:
     from ft_accum.training import recipe_files
 
     destination = Path(args.destination)
-    if args.name.endswith(".yaml") or args.name in recipe_files.accelerate_config_names():
+    if args.name.endswith(".yaml"):
         print(f"wrote {recipe_files.copy_accelerate_config(args.name, destination)}")
         return 0
     written = recipe_files.copy_recipe(args.name, destination)
     print("wrote " + " and ".join(map(str, written)))
     config = f" --config {written[1]}" if len(written) > 1 else ""
-    cpu = recipe_files.find_accelerate_config("cpu.yaml")
+    cpu = recipe_files.shipped_accelerate_config("cpu.yaml")
     print(
         f"run it (on a CPU; ft-accum ls lists the GPU configs): accelerate launch --config_file {cpu} {written[0]}{config}"
     )
@@ -214,9 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--task",
         default="causal_lm",
         choices=task_specs.TASKS,
-        help="preference: recipes/preference_tuning.py, a sample is a pair (two sequences of --seq_len); "
-        "grpo: recipes/grpo.py, a sample is a completion (--seq_len = prompt + completion tokens); "
-        "distillation: recipes/distillation.py, --model is the teacher, the student --student_layers of its layers",
+        help="; ".join(
+            f"{name}: recipes/{spec.recipe}.py, a sample is {spec.sample}"
+            for name, spec in task_specs.TASK_SPECS.items()
+        ),
     )
     plan.add_argument("--seq_len", type=int, default=512, help="tokens per sample (padded length)")
     plan.add_argument("--effective_batch_size", type=int, default=64, help="samples (pairs) per optimizer update")

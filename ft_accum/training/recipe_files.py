@@ -62,17 +62,23 @@ def find_recipe(recipe: str | Path, *near: Path) -> Path:
     return shipped_recipe(Path(name).name)
 
 
+def shipped_accelerate_config(name: str | Path) -> Path:
+    """The shipped Accelerate config `name` (`cpu`, `cpu.yaml`, `accelerate_configs/cpu.yaml`)."""
+    file_name = Path(name).name
+    shipped = accelerate_configs_dir() / (file_name if file_name.endswith(".yaml") else f"{file_name}.yaml")
+    if not shipped.is_file():
+        names = ", ".join(accelerate_config_names())
+        raise ConfigError(f"accelerate_config {name} does not exist; give a path, or a shipped one: {names}")
+    return shipped.resolve()
+
+
 def find_accelerate_config(config: str | Path, *near: Path) -> Path:
     """An Accelerate config given as a path (relative to the working directory or to a folder of `near`),
-    or as a shipped one's name (`cpu.yaml`, `accelerate_configs/cpu.yaml`)."""
+    or as a shipped one's name."""
     for base in (Path.cwd(), *near):
         if (base / config).is_file():
             return (base / config).resolve()
-    shipped = accelerate_configs_dir() / Path(config).name
-    if not shipped.is_file():
-        names = ", ".join(accelerate_config_names())
-        raise ConfigError(f"accelerate_config {config} does not exist; give a path, or a shipped one: {names}")
-    return shipped.resolve()
+    return shipped_accelerate_config(config)
 
 
 def config_of(recipe: Path) -> Path:
@@ -114,7 +120,7 @@ def copy_recipe(name: str, destination: Path) -> list[Path]:
 
 def copy_accelerate_config(name: str, destination: Path) -> Path:
     """Copy the shipped Accelerate config `name` (`cpu.yaml`) to `destination` (a file or a folder)."""
-    source = find_accelerate_config(Path(name if name.endswith(".yaml") else f"{name}.yaml").name)
+    source = shipped_accelerate_config(name)
     target = destination / source.name if destination.is_dir() else destination
     if target.exists():
         raise ConfigError(f"{target} already exists; copy to another name, or remove it first")
