@@ -299,17 +299,10 @@ def main(argv: list[str]) -> int:
         help="skip check 4, the end of the run under FSDP on 2 CPU processes (a launch of its own, ~30 s)",
     )
     options, flags = parser.parse_known_args(argv)
-    if not options.recipe.is_file():
-        from ft_accum.core.errors import ConfigError
+    if not options.recipe.is_file():  # a shipped recipe's name; else the one-line error naming them
         from ft_accum.training.recipe_files import shipped_recipe
 
-        try:  # a shipped recipe's name
-            options.recipe = shipped_recipe(options.recipe.name)
-        except ConfigError:
-            raise SystemExit(
-                f"error: {options.recipe} does not exist; pass a recipe file (recipes/my_task.py) or a shipped "
-                "recipe's name (ft-accum ls)"
-            ) from None
+        options.recipe = shipped_recipe(options.recipe.name)
     results = check(options.recipe, flags, options.rows, options.num_layers, options.eval_rows, not options.skip_fsdp)
     print(f"ft-accum check {options.recipe}")
     print(format_table(results))

@@ -32,7 +32,7 @@ class TaskSpec:
     recipe: str  # the shipped recipe, recipes/<recipe>.py
     auto_model: str  # the transformers Auto class its recipe builds the model with
     sequence_flag: str  # the recipe flag that sets the planned sequence length
-    sample: str  # what one sample of --effective_batch_size is
+    sample: str  # what one sample of --effective_batch_size is (`ft-accum plan --help`)
     example_batch: Callable[..., dict]  # (config, micro_batch_size, seq_len, completion_length) -> a micro-batch
     traced_step: Callable[[Any, str, dict], Step]  # (recipe module, loss path, task settings) -> the step
     sequences_per_sample: int = 1  # a pair is 2: its tokens per sample are 2 × seq_len
@@ -240,7 +240,7 @@ TASK_SPECS: dict[str, TaskSpec] = {
         recipe="preference_tuning",
         auto_model="AutoModelForCausalLM",
         sequence_flag="--max_seq_length",
-        sample="a pair: two sequences of seq_len tokens",
+        sample="a pair (two sequences of seq_len tokens)",
         example_batch=preference_batch,
         traced_step=_preference_step,
         sequences_per_sample=2,
@@ -251,7 +251,7 @@ TASK_SPECS: dict[str, TaskSpec] = {
         recipe="grpo",
         auto_model="AutoModelForCausalLM",
         sequence_flag="--max_completion_length",
-        sample="a completion: seq_len tokens, its last completion_length scored",
+        sample="a completion (seq_len = prompt + completion tokens, its last --completion_length scored)",
         example_batch=grpo_batch,
         traced_step=_grpo_step,
         settings=("completion_length",),
@@ -260,7 +260,7 @@ TASK_SPECS: dict[str, TaskSpec] = {
         recipe="contrastive_embedding",
         auto_model="AutoModel",  # a bi-encoder: the encoder's pooled hidden states, no head
         sequence_flag="--max_seq_length",
-        sample="a pair: an anchor and a positive of seq_len tokens each",
+        sample="a pair (an anchor and a positive of seq_len tokens each)",
         example_batch=contrastive_batch,
         traced_step=_contrastive_step,
         sequences_per_sample=2,
@@ -270,7 +270,7 @@ TASK_SPECS: dict[str, TaskSpec] = {
         recipe="distillation",
         auto_model="AutoModelForCausalLM",
         sequence_flag="--max_seq_length",
-        sample="a conversation of seq_len tokens, every one counted",
+        sample="a conversation of seq_len tokens, every one counted (--model is the teacher, the student --student_layers of its layers)",
         example_batch=distillation_batch,
         traced_step=_distillation_step,
         settings=("student_layers",),

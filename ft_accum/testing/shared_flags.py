@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
-# The tiny run every trial shares: 48 rows (the labels of 4 evaluation rows all among them), one update of 8 as 2 micro-batches of 4, 4 evaluation rows.
+# The tiny run every trial shares: 48 rows (the labels of 4 evaluation rows all among them), one update of
+# 8 as 2 micro-batches of 4, 4 evaluation rows, a checkpoint after it (the optimizer state is read from it).
 BASE_FLAGS = ["--max_train_steps", "1", "--max_train_samples", "48", "--max_eval_samples", "4",
               "--per_device_train_batch_size", "4", "--effective_batch_size", "8", "--report_to", "none",
               "--checkpointing_steps", "1"]  # fmt: skip
-EFFECTIVE_BATCH = 8
 
 
 @dataclasses.dataclass
@@ -42,11 +44,13 @@ class Observed:
     selected: list[int] = dataclasses.field(default_factory=list)  # rows of each datasets.Dataset.select
     eval_rows: list[int] = dataclasses.field(default_factory=list)  # rows of each model call while evaluating
 
-    @property
+    # Read once, after the run: several trials look at each.
+    @functools.cached_property
     def records(self) -> list[dict]:
         path = self.output_dir / "metrics.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
+    @functools.cached_property
     def optimizer_state(self) -> dict:
         import torch
 
@@ -76,11 +80,11 @@ def _lr_is(expected: float) -> Callable[[Observed], bool]:
 
 
 def _param_groups(seen: Observed) -> list[dict]:
-    return seen.optimizer_state().get("param_groups", [])
+    return seen.optimizer_state.get("param_groups", [])
 
 
 def _moments(seen: Observed) -> set[str]:
-    return {key for state in seen.optimizer_state().get("state", {}).values() for key in state}
+    return {key for state in seen.optimizer_state.get("state", {}).values() for key in state}
 
 
 # One LR observation holds four flags: 0.00123 × 8 / 4 (linear scaling to the effective batch of 8 from
@@ -146,29 +150,29 @@ def observing(output_dir: Path):
     from ft_accum.training import collective_timeout
 
     seen = Observed(Path(output_dir))
-    originals = (torch.manual_seed, torch.nn.utils.clip_grad_norm_, torch.compile, datasets.Dataset.select,
-                 torch.utils.data.DataLoader.__init__)  # fmt: skip
+    manual_seed, clip_grad_norm_ = torch.manual_seed, torch.nn.utils.clip_grad_norm_
+    select, loader_init = datasets.Dataset.select, torch.utils.data.DataLoader.__init__
 
-    def manual_seed(seed):
+    def seeding(seed):
         seen.manual_seeds.append(int(seed))
-        return originals[0](seed)
+        return manual_seed(seed)
 
-    def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+    def clipping(parameters, max_norm, *args, **kwargs):
         seen.clip_norms.append(float(max_norm))
-        return originals[1](parameters, max_norm, *args, **kwargs)
+        return clip_grad_norm_(parameters, max_norm, *args, **kwargs)
 
-    def compile(model=None, *args, **kwargs):
+    def compiling(model=None, *args, **kwargs):
         seen.compiled += 1
         return model if model is not None else (lambda fn: fn)
 
-    def select(self, indices, *args, **kwargs):
-        selected = originals[3](self, indices, *args, **kwargs)
+    def selecting(self, indices, *args, **kwargs):
+        selected = select(self, indices, *args, **kwargs)
         seen.selected.append(len(selected))
         return selected
 
-    def loader_init(self, dataset, batch_size=1, *args, **kwargs):
+    def loading(self, dataset, batch_size=1, *args, **kwargs):
         seen.loader_batch_sizes.append(batch_size)
-        originals[4](self, dataset, batch_size, *args, **kwargs)
+        loader_init(self, dataset, batch_size, *args, **kwargs)
 
     depth = [0]  # nesting of module calls: 0 is a model called from outside any module
 
@@ -187,19 +191,22 @@ def observing(output_dir: Path):
         if torch._C._current_graph_task_id() != -1:
             seen.recomputed += 1
 
-    hooks = [
-        torch.nn.modules.module.register_module_forward_pre_hook(enter),
-        torch.nn.modules.module.register_module_forward_hook(leave, with_kwargs=True, always_call=True),
+    probes = [
+        (torch, "manual_seed", seeding),
+        (torch.nn.utils, "clip_grad_norm_", clipping),
+        (torch, "compile", compiling),
+        (datasets.Dataset, "select", selecting),
+        (torch.utils.data.DataLoader, "__init__", loading),
     ]
-    torch.manual_seed, torch.nn.utils.clip_grad_norm_, torch.compile = manual_seed, clip_grad_norm_, compile
-    datasets.Dataset.select, torch.utils.data.DataLoader.__init__ = select, loader_init
-    try:
+    with contextlib.ExitStack() as stack:
+        for owner, name, probe in probes:
+            stack.enter_context(mock.patch.object(owner, name, probe))
+        hooks = [
+            torch.nn.modules.module.register_module_forward_pre_hook(enter),
+            torch.nn.modules.module.register_module_forward_hook(leave, with_kwargs=True, always_call=True),
+        ]
+        stack.callback(lambda: [hook.remove() for hook in hooks])
         yield seen
-    finally:
-        for hook in hooks:
-            hook.remove()
-        torch.manual_seed, torch.nn.utils.clip_grad_norm_, torch.compile = originals[:3]
-        datasets.Dataset.select, torch.utils.data.DataLoader.__init__ = originals[3:]
 
 
 @dataclasses.dataclass
@@ -210,7 +217,7 @@ class FlagReport:
     failure: str | None = None  # a run that failed without naming a tried flag
 
 
-def try_shared_flags(run: Callable[[list[str]], Any], work: Path, flags: list[str] | None = None) -> FlagReport:
+def try_shared_flags(run: Callable[[list[str]], Any], work: Path) -> FlagReport:
     """Run `run(argv)` (a recipe's in-process run, returning its SystemExit or None) with every trial's flag
     at once, under `observing`; a refused flag (named in the `error:` line) is dropped and the rest run
     again. Then each trial is honoured, refused, or ignored."""
@@ -219,7 +226,7 @@ def try_shared_flags(run: Callable[[list[str]], Any], work: Path, flags: list[st
     for attempt in range(len(trials) + 1):
         output_dir = work / f"attempt_{attempt}"
         tried = {t.flags[0] for t in trials}
-        argv = [*(flags or []), *BASE_FLAGS, "--output_dir", str(output_dir)]
+        argv = [*BASE_FLAGS, "--output_dir", str(output_dir)]
         argv += [part for trial in trials for part in trial.flags]
         with observing(output_dir) as seen:
             outcome = run(argv)

@@ -26,6 +26,7 @@ from ft_accum.core.accumulation_schedule import parse_accumulation_schedule
 from ft_accum.core.batch_arithmetic import BatchPlan
 from ft_accum.core.errors import ConfigError, one_line_errors
 from ft_accum.core.lr_scaling import POLICIES, scale_learning_rate
+from ft_accum.training.recipe_files import config_of
 from ft_accum.training.yaml_config import read_yaml_config
 
 T = TypeVar("T")
@@ -350,7 +351,7 @@ def run_main(train, task_class: type, argv: list[str] | None, description: str |
     recipe = Path(train.__code__.co_filename)
     try:
         with one_line_errors(), collective_failures():
-            default_config = recipe.parent / "configs" / f"{recipe.stem}.yaml"
+            default_config = config_of(recipe)
             parsed = parse_args(task_class, argv, description, default_config, **recipe_defaults)
             return parsed if PARSE_ONLY.get() else train(*parsed)
     finally:

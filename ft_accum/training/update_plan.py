@@ -60,7 +60,7 @@ class UpdatePlan:
         effective batch re-applies --lr_scaling to it. Under `adaptive`, each `step()` advances it by
         the starting-batch updates the current window stands for (`lr_steps`), so the LR follows the
         samples seen and a checkpoint holds it where it is."""
-        self.plan, self.start, self.processes = plan, plan.effective, plan.processes  # the run's starting split
+        self.start = plan.effective  # the run's starting effective batch
         self.optimizer, self.scaled_learning_rate, self.schedule = optimizer, scaled_learning_rate, schedule
         check_schedule(self.schedule, plan.micro, plan.processes, plan.effective)
         self.windows = plan_windows(
