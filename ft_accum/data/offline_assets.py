@@ -254,6 +254,55 @@ def load_digits_images(test_size: float = 0.2, seed: int = 42) -> datasets.Datas
     return datasets.DatasetDict(train=split["train"], validation=split["test"])
 
 
+def digit_question(kind: str, labels: list[int], rng) -> tuple[list, str]:
+    """(the user turn's parts, the answer) of one question about `labels`' digit images."""
+    if kind == "which":
+        return [{"type": "image"}, {"type": "text", "text": "Which digit is this?"}], str(labels[0])
+    if kind == "parity":
+        answer = "even" if labels[0] % 2 == 0 else "odd"
+        return [{"type": "image"}, {"type": "text", "text": "Is this digit even or odd?"}], answer
+    if kind == "pair":
+        parts = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which two digits are these?"}]
+        return parts, f"{labels[0]} and {labels[1]}"
+    digit = rng.randrange(9)  # a text-only row: no image, the language model's own knowledge
+    return [{"type": "text", "text": f"Which digit comes after {digit}?"}], str(digit + 1)
+
+
+def load_digit_questions(seed: int = 42, text_only_fraction: float = 0.1, pair_fraction: float = 0.1) -> datasets.DatasetDict:
+    """Questions about scikit-learn's handwritten digits (`load_digits_images`) in TRL's vision format:
+    `messages` (a user turn of image and text parts, the assistant's answer) and `images` (a list per
+    row). Per split, every digit image gets one question, "Which digit is this?" or "Is this digit even
+    or odd?" in turn; `pair_fraction` more rows ask "Which two digits are these?" of two images, and
+    `text_only_fraction` more ask, with no image, which digit comes after another. Shuffled with `seed`."""
+    import random
+
+    digits = load_digits_images(seed=seed)
+    features = datasets.Features(
+        {
+            "messages": [{"role": datasets.Value("string"),
+                          "content": [{"type": datasets.Value("string"), "text": datasets.Value("string")}]}],
+            "images": [datasets.Image()],
+        }
+    )  # fmt: skip
+    splits = {}
+    for split, rows in digits.items():
+        rng = random.Random(f"{seed}-{split}")
+        images, labels = rows["image"], rows["label"]
+        questions = [("which" if i % 2 == 0 else "parity", [i]) for i in range(len(rows))]
+        questions += [("pair", rng.sample(range(len(rows)), 2)) for _ in range(round(pair_fraction * len(rows)))]
+        questions += [("text", []) for _ in range(round(text_only_fraction * len(rows)))]
+        rng.shuffle(questions)
+        data = {"messages": [], "images": []}
+        for kind, indices in questions:
+            parts, answer = digit_question(kind, [labels[i] for i in indices], rng)
+            data["messages"].append(
+                [{"role": "user", "content": parts}, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+            )
+            data["images"].append([images[i] for i in indices])
+        splits[split] = datasets.Dataset.from_dict(data, features=features)
+    return datasets.DatasetDict(splits)
+
+
 PUNCTUATION_TAGS = ("O", "B-COMMA", "B-PERIOD", "B-QUESTION")
 _PUNCTUATION = {",": "B-COMMA", ".": "B-PERIOD", "!": "B-PERIOD", ";": "B-PERIOD", ":": "B-COMMA", "?": "B-QUESTION"}
 

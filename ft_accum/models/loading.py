@@ -105,12 +105,14 @@ def load_causal_lm(
     trust_remote_code: bool,
     frozen_base: bool,
     load_in_4bit: bool = False,
+    auto_class=None,
 ):
-    """AutoModelForCausalLM `name`, its base in NF4 4-bit weights with `load_in_4bit` (QLoRA; bitsandbytes
+    """`auto_class` (AutoModelForCausalLM by default) `name`, its base in NF4 4-bit weights with `load_in_4bit` (QLoRA; bitsandbytes
     quantizes it as it loads, on this process's device), then `cast_and_compile`. A LoRA adapter folder
     (`lora_adapter_base`) loads as its base with the adapter merged in."""
     from transformers import AutoModelForCausalLM
 
+    auto_class = auto_class or AutoModelForCausalLM
     quantized = {}
     if load_in_4bit:
         from ft_accum.models.low_memory import quantization_config
@@ -119,7 +121,7 @@ def load_causal_lm(
         quantized["device_map"] = {"": accelerator.device}
     base = lora_adapter_base(name)
     if base is None:
-        model = load_pretrained(AutoModelForCausalLM, name, trust_remote_code, **quantized)
+        model = load_pretrained(auto_class, name, trust_remote_code, **quantized)
     elif load_in_4bit:
         raise ConfigError(
             f"{name} is a LoRA adapter, which 4-bit weights cannot take merged in; merge it first (the run's "
@@ -128,7 +130,7 @@ def load_causal_lm(
     else:  # a LoRA run's final/: its base with the adapter merged in, a plain model from here on
         from ft_accum.models.lora import import_peft
 
-        model = load_pretrained(AutoModelForCausalLM, base, trust_remote_code)
+        model = load_pretrained(auto_class, base, trust_remote_code)
         # peft froze the base to train the adapter: unfrozen, it is a plain loaded model again.
         model = import_peft().PeftModel.from_pretrained(model, name).merge_and_unload().requires_grad_(True)
     return cast_and_compile(model, model_dtype, torch_compile, accelerator.mixed_precision, frozen_base=frozen_base)

@@ -40,8 +40,18 @@ class LoraSettings:
     use_dora: bool = False
 
 
-def apply_lora(model, settings: LoraSettings, gradient_checkpointing: bool, model_dtype: str = "float32"):
+def apply_lora(
+    model,
+    settings: LoraSettings,
+    gradient_checkpointing: bool,
+    model_dtype: str = "float32",
+    target_modules: str | None = None,
+    modules_to_save: list[str] | None = None,
+):
     """Wrap a causal LM in a LoRA adapter from the recipe's --lora_* flags (peft's `get_peft_model`).
+    `target_modules` (a regex peft matches against full module names) replaces --lora_target_modules,
+    and `modules_to_save` train whole and are saved with the adapter (a vision-language model's
+    connector).
 
     The adapters are the trained weights, so they take --model_dtype: peft creates them in fp32,
     and `bfloat16` casts them (half the adapter, gradient and AdamW bytes; updates below 1/256 of a
@@ -53,15 +63,17 @@ def apply_lora(model, settings: LoraSettings, gradient_checkpointing: bool, mode
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=parse_target_modules(settings.target_modules),
+        target_modules=target_modules or parse_target_modules(settings.target_modules),
+        modules_to_save=modules_to_save,
         use_rslora=settings.use_rslora,
         use_dora=settings.use_dora,
     )
     model = peft.get_peft_model(model, lora_config)
-    if model_dtype == "bfloat16":
-        for parameter in model.parameters():
-            if parameter.requires_grad:
-                parameter.data = parameter.data.to(torch.bfloat16)
+    # What trains takes --model_dtype, whatever dtype the frozen base runs in (modules_to_save are copies of it).
+    trained_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model_dtype]
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.to(trained_dtype)
     if gradient_checkpointing:
         # The frozen embeddings would give checkpointed blocks inputs without grad; this keeps the graph alive.
         model.enable_input_require_grads()

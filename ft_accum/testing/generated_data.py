@@ -119,6 +119,32 @@ def make_conversations(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def write_vision_conversations(folder: Path, n: int, seed: int, image_counts: tuple[int, ...] = (2, 0, 1, 0, 1, 2)) -> Path:
+    """`n` conversations in TRL's vision format in `folder`/data.jsonl, their images as 8 px PNG files
+    in `folder`/images/ (paths relative to the data file): row i has image_counts[i % len] images (the
+    default mixes rows of 2, 1 and 0), one-word answers beside 10–25-word ones."""
+    import numpy as np
+    from PIL import Image
+
+    rng, pixels = random.Random(seed), np.random.default_rng(seed)
+    words = COMMON + [w for ws in TOPICS.values() for w in ws]
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        images = []
+        for k in range(image_counts[i % len(image_counts)]):
+            path = f"images/{seed}-{i}-{k}.png"
+            Image.fromarray(pixels.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(folder / path)
+            images.append(path)
+        question = " ".join(rng.choice(words) for _ in range(rng.randint(2, 6)))
+        answer = rng.choice(list(TOPICS)) if i % 2 else " ".join(rng.choice(words) for _ in range(rng.randint(10, 25)))
+        parts = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
+        rows.append({"messages": [{"role": "user", "content": parts},
+                                  {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+                     "images": images})  # fmt: skip
+    return write_jsonl(folder / "data.jsonl", rows)
+
+
 def make_preference_pairs(n: int, seed: int) -> list[dict]:
     """(prompt, chosen, rejected) rows in TRL's format whose responses differ 5× and more in length:
     a one-word answer against 20–40 words, in both orders, some prompts as two-turn conversations."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -245,3 +246,61 @@ def tiny_bi_encoder(dropout: float, vocab_size: int = 50, hidden_size: int = 32)
         max_position_embeddings=32,
     )
     return BertModel(config, add_pooling_layer=False).train()  # the pooler is unused: DDP would wait for its gradient
+
+
+def make_tiny_idefics3(path: Path, text_dir: Path) -> Path:
+    """The offline default's layout at test size: an Idefics3 (SmolVLM) whose language model is the
+    tiny chat LM in `text_dir` and whose SigLIP tower is 2 layers of 16, images of 16 px in 4 px patches
+    (4 tokens per image), saved with its processor and chat template."""
+    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, LlamaConfig
+
+    from ft_accum.models import vision_language
+
+    tokenizer = AutoTokenizer.from_pretrained(text_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(vision_language.IMAGE_TOKENS)})
+    text_config = LlamaConfig.from_pretrained(text_dir).to_dict() | {"vocab_size": len(tokenizer)}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4)
+    config = Idefics3Config(text_config=text_config, vision_config=vision, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"))  # fmt: skip
+    torch.manual_seed(0)
+    Idefics3ForConditionalGeneration(config).save_pretrained(path)
+    processor = vision_language.assembled_processor(tokenizer, image_size=16, patch_size=4, scale_factor=2)
+    processor.save_pretrained(path)
+    return path
+
+
+def make_tiny_qwen2_vl(path: Path, text_dir: Path):
+    """(the model's folder, its processor) for a 2-layer, 32-wide Qwen2-VL (its 3-axis rope, flattened
+    `pixel_values`, `image_grid_thw`) with a 2-block vision tower; the chat LM tokenizer of `text_dir`
+    with Qwen2-VL's vision tokens added; an image processor that makes a 16 px image 4 tokens (a 4 × 4
+    patch grid, merged 2 × 2). The processor is built in memory: Qwen2-VL's processor needs a video
+    processor, which needs torchvision, which has no build beside the CPU torch here (it is
+    constructed without it, and cannot be saved or loaded without it)."""
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.processing_utils import ProcessorMixin
+
+    from ft_accum.models import vision_language
+
+    tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+    tokenizer = AutoTokenizer.from_pretrained(text_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tokens}
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
+        vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, in_chans=3),
+        image_token_id=ids["<|image_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(path)
+    image_processor = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                                               min_pixels=16 * 16, max_pixels=16 * 16)  # fmt: skip
+    template = vision_language.CHATML_VISION_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+    with unittest.mock.patch.object(ProcessorMixin, "check_argument_for_proper_class"):
+        processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+    return path, processor

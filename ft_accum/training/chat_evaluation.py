@@ -23,23 +23,30 @@ def normalize(text: str) -> str:
 @torch.no_grad()
 def exact_match(accelerator, model, tokenizer, conversations: list, *, max_words: int, max_new_tokens: int) -> float:
     """The fraction of short-answer conversations whose greedy answer equals the reference, over all ranks."""
-    short = [c for c in conversations if len(c[-1]["content"].split()) <= max_words]
+    short = [(c[:-1], c[-1]["content"]) for c in conversations if len(c[-1]["content"].split()) <= max_words]
+
+    def encode(prompts: list) -> dict:
+        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        # Not all of it: a BERT-style tokenizer adds token_type_ids, which a causal LM's generate() refuses.
+        return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+
+    return greedy_exact_match(accelerator, model, tokenizer, short, encode, max_new_tokens=max_new_tokens)
+
+
+@torch.no_grad()
+def greedy_exact_match(accelerator, model, tokenizer, items: list, encode, *, max_new_tokens: int) -> float:
+    """The fraction of `items`, (prompt, reference answer) pairs, whose greedy answer equals the
+    reference (`normalize`d), over all ranks; `encode(prompts)` gives the model's inputs for a batch
+    of prompts, left-padded (a vision-language model's images included)."""
     tokenizer.padding_side, hits, count = "left", 0, 0  # generation continues from the right end of each prompt
-    for chunk, real in every_rank.rank_batches(short, accelerator.process_index, accelerator.num_processes, 8):
-        prompts = [tokenizer.apply_chat_template(c[:-1], tokenize=False, add_generation_prompt=True) for c in chunk]
-        inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(accelerator.device)
-        # Not **inputs: a BERT-style tokenizer adds token_type_ids, which a causal LM's generate() refuses.
+    for chunk, real in every_rank.rank_batches(items, accelerator.process_index, accelerator.num_processes, 8):
+        inputs = {k: v.to(accelerator.device) for k, v in encode([prompt for prompt, _ in chunk]).items()}
         generated = every_rank.generate(
-            accelerator,
-            model,
-            input_ids=inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
+            accelerator, model, **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
         )
         answers = tokenizer.batch_decode(generated[:real, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-        hits += sum(normalize(a) == normalize(c[-1]["content"]) for a, c in zip(answers, chunk))
+        hits += sum(normalize(a) == normalize(reference) for a, (_, reference) in zip(answers, chunk))
         count += real
     tokenizer.padding_side = "right"
     hits, count = accelerator.reduce(torch.tensor([hits, count], device=accelerator.device), "sum").tolist()

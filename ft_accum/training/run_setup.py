@@ -326,7 +326,7 @@ def lora_settings(task_args):
     )
 
 
-def load_causal_lm(name: str, args, accelerator, *, frozen_base: bool, load_in_4bit: bool = False):
+def load_causal_lm(name: str, args, accelerator, *, frozen_base: bool, load_in_4bit: bool = False, auto_class=None):
     """models.loading.load_causal_lm with the shared arguments' --model_dtype, --torch_compile, --trust_remote_code."""
     from ft_accum.models.loading import load_causal_lm as load
 
@@ -338,11 +338,13 @@ def load_causal_lm(name: str, args, accelerator, *, frozen_base: bool, load_in_4
         trust_remote_code=args.trust_remote_code,
         frozen_base=frozen_base,
         load_in_4bit=load_in_4bit,
+        auto_class=auto_class,
     )
 
 
-def apply_lora(model, task_args, args):
-    """models.lora.apply_lora with a recipe's --lora_* flags, --gradient_checkpointing and --model_dtype."""
+def apply_lora(model, task_args, args, *, target_modules: str | None = None, modules_to_save: list[str] | None = None):
+    """models.lora.apply_lora with a recipe's --lora_* flags, --gradient_checkpointing and --model_dtype
+    (`target_modules`, `modules_to_save`: a vision-language model's, models/vision_language.py)."""
     from ft_accum.models.lora import apply_lora as apply
 
     return apply(
@@ -350,6 +352,8 @@ def apply_lora(model, task_args, args):
         lora_settings(task_args),
         gradient_checkpointing=args.gradient_checkpointing,
         model_dtype=args.model_dtype,
+        target_modules=target_modules,
+        modules_to_save=modules_to_save,
     )
 
 

@@ -76,13 +76,27 @@ def real_rows(dataset_rows: int, batch_index: int, num_processes: int, process_i
 
 
 def take_rows(batch: dict, rows: int | slice) -> dict:
-    """The first `rows` rows (or the slice `rows`) of every tensor in `batch` that has one row per sample."""
+    """The first `rows` rows (or the slice `rows`) of every tensor in `batch` that has one row per sample.
+
+    A tensor whose entries are not rows (a vision-language batch's images or image patches) is named in
+    `batch["row_of"]` with the row of each entry (data/vision_chat_data.py): it keeps the entries of the
+    rows taken, whole images only."""
     size = find_batch_size(batch)
     if isinstance(rows, int):
         if rows >= size:
             return batch
         rows = slice(0, rows)
-    return {k: v[rows] if isinstance(v, torch.Tensor) and v.dim() and len(v) == size else v for k, v in batch.items()}
+    row_of = batch.get("row_of", {})
+    taken = {
+        k: v[rows] if isinstance(v, torch.Tensor) and v.dim() and len(v) == size and k not in row_of else v
+        for k, v in batch.items()
+    }
+    if row_of:
+        start, stop, _ = rows.indices(size)
+        keep = {key: (owner >= start) & (owner < stop) for key, owner in row_of.items()}
+        taken |= {key: batch[key][keep[key]] for key in row_of}
+        taken["row_of"] = {key: owner[keep[key]] - start for key, owner in row_of.items()}
+    return taken
 
 
 def split_rows(batch: dict, micro: int) -> list[dict]:
