@@ -12,7 +12,7 @@ beside it. Here the labels are the assistant turns' tokens (ft_accum/data/vision
 each micro-batch's loss is summed over them, and the window divides once by their total.
 
 With no flags it assembles SmolVLM's architecture from the bundled SmolLM2-135M-Instruct and a
-small SigLIP vision tower (ft_accum/models/vision_language.py; no vision-language weights can be
+small SigLIP vision tower (ft_accum/data/offline_vlm.py; no vision-language weights can be
 installed offline), and teaches it to read scikit-learn's handwritten digits: "Which digit is
 this?", "Is this digit even or odd?", two-image rows and text-only rows. It reports the held-out
 answer-token loss and the exact match of greedy answers before and after. Point it at your data
@@ -43,7 +43,7 @@ from accelerate.utils import set_seed
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from ft_accum.core.errors import ConfigError
-from ft_accum.data import data_sources, offline_assets
+from ft_accum.data import data_sources, offline_assets, offline_vlm
 from ft_accum.data import vision_chat_data as vision_data
 from ft_accum.models import loading, lora, low_memory, vision_language
 from ft_accum.models.output_loss import OutputLoss
@@ -81,7 +81,7 @@ NO_DECAY = ("bias", "norm.weight", "layernorm.weight")
 
 
 def base_model_name(task):
-    return task.model_name_or_path or str(vision_language.bundled_smolvlm_dir())
+    return task.model_name_or_path or str(offline_vlm.bundled_smolvlm_dir())
 
 
 def build_model(task, args, accelerator):
@@ -91,9 +91,13 @@ def build_model(task, args, accelerator):
     processor = loading.load_pretrained(AutoProcessor, name, args.trust_remote_code)
     vision_language.check_processor(processor, name)
     model = run_setup.load_causal_lm(
-        name, args, accelerator, frozen_base=task.use_lora, load_in_4bit=task.load_in_4bit,
+        name,
+        args,
+        accelerator,
+        frozen_base=task.use_lora,
+        load_in_4bit=task.load_in_4bit,
         auto_class=AutoModelForImageTextToText,
-    )  # fmt: skip
+    )
     vision_language.check_vision_language(model, name)
     processor.tokenizer.padding_side = "right"
     if processor.tokenizer.pad_token is None:

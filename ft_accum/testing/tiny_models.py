@@ -254,17 +254,17 @@ def make_tiny_idefics3(path: Path, text_dir: Path) -> Path:
     (4 tokens per image), saved with its processor and chat template."""
     from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, LlamaConfig
 
-    from ft_accum.models import vision_language
+    from ft_accum.data import offline_vlm
 
     tokenizer = AutoTokenizer.from_pretrained(text_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(vision_language.IMAGE_TOKENS)})
+    tokenizer.add_special_tokens({"additional_special_tokens": list(offline_vlm.IMAGE_TOKENS)})
     text_config = LlamaConfig.from_pretrained(text_dir).to_dict() | {"vocab_size": len(tokenizer)}
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4)
     config = Idefics3Config(text_config=text_config, vision_config=vision, scale_factor=2,
                             image_token_id=tokenizer.convert_tokens_to_ids("<image>"))  # fmt: skip
     torch.manual_seed(0)
     Idefics3ForConditionalGeneration(config).save_pretrained(path)
-    processor = vision_language.assembled_processor(tokenizer, image_size=16, patch_size=4, scale_factor=2)
+    processor = offline_vlm.assembled_processor(tokenizer, image_size=16, patch_size=4, scale_factor=2)
     processor.save_pretrained(path)
     return path
 
@@ -280,7 +280,7 @@ def make_tiny_qwen2_vl(path: Path, text_dir: Path):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.processing_utils import ProcessorMixin
 
-    from ft_accum.models import vision_language
+    from ft_accum.data import offline_vlm
 
     tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
     tokenizer = AutoTokenizer.from_pretrained(text_dir)
@@ -300,7 +300,7 @@ def make_tiny_qwen2_vl(path: Path, text_dir: Path):
     Qwen2VLForConditionalGeneration(config).save_pretrained(path)
     image_processor = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
                                                min_pixels=16 * 16, max_pixels=16 * 16)  # fmt: skip
-    template = vision_language.CHATML_VISION_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+    template = offline_vlm.CHATML_VISION_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
     with unittest.mock.patch.object(ProcessorMixin, "check_argument_for_proper_class"):
         processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
     return path, processor
