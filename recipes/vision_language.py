@@ -148,25 +148,38 @@ def count_items(batch):
 
 
 def training_step(model, batch, output_loss, vision_pass):
-    """The micro-batch's loss summed over its answer tokens. Without an image, the vision tower still
-    runs (on a blank image, weighted by 0): every process's backward reaches every parameter."""
-    loss_sum = output_loss(model, batch["labels"], **model_inputs(batch))[0]
-    if batch["num_images"].sum() == 0:
-        loss_sum = loss_sum + 0.0 * vision_pass()
-    return loss_sum
+    """The micro-batch's loss summed over its answer tokens. Without an image, the model's forward
+    still runs the vision tower, on a blank image weighted by 0 (`BlankVisionPass`): every process
+    calls the same modules (DDP waits for every gradient; FSDP and ZeRO-3 gather in call order)."""
+    vision_pass.arm(batch)
+    return output_loss(model, batch["labels"], **model_inputs(batch))[0]
+
+
+def eval_inputs(vision_pass):
+    """`model_inputs` for the evaluation's forwards, the blank vision pass armed where a batch has no image."""
+
+    def inputs(batch):
+        vision_pass.arm(batch)
+        return model_inputs(batch)
+
+    return inputs
 
 
 def answer_inputs(processor, eval_rows):
     """(items for chat_evaluation.greedy_exact_match, their encoder): each held-out conversation's
-    prompt (all but its last turn, with its images) and the last turn's answer."""
+    prompt (all but its last turn, with its images) and the last turn's answer. A batch of prompts
+    without an image gets a blank-image prompt after them (its answer is dropped), so that every
+    process's generate() runs the vision tower."""
     items = []
     for messages, sources, folder in eval_rows:
         parts = messages[-1]["content"]
         answer = parts if isinstance(parts, str) else "".join(p.get("text") or "" for p in parts)
         images = [vision_data.load_image(s, folder, "a validation row") for s in sources]
         items.append(((messages[:-1], images), answer))
+    blank = ([{"role": "user", "content": [{"type": "image"}]}], [vision_data.blank_image()])
 
     def encode(prompts):
+        prompts = prompts if any(images for _, images in prompts) else [*prompts, blank]
         texts = [processor.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m, _ in prompts]
         encoded = vision_data.encode(processor, texts, [images for _, images in prompts])
         return {k: v for k, v in encoded.items() if k != "mm_token_type_ids"}
@@ -175,10 +188,11 @@ def answer_inputs(processor, eval_rows):
 
 
 @torch.no_grad()
-def evaluate(task, model, eval_dataloader, accelerator, output_loss, processor, answers):
+def evaluate(task, model, eval_dataloader, accelerator, output_loss, processor, answers, vision_pass):
     """The answer-token loss over the validation set, and the exact match of greedy answers."""
     model.eval()
-    loss = output_loss.mean_loss(model, eval_dataloader, accelerator, model_inputs)
+    loss = output_loss.mean_loss(model, eval_dataloader, accelerator, eval_inputs(vision_pass))
+    vision_pass.disarm()  # generate()'s prompts carry a blank image themselves where they have none
     items, encode = answers
     exact = chat_evaluation.greedy_exact_match(
         accelerator, model, processor.tokenizer, items, encode, max_new_tokens=task.max_new_tokens
@@ -236,7 +250,7 @@ def train(task, args):
     output_loss = OutputLoss(
         accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
     )
-    vision_pass = vision_language.zero_weight_vision_pass(accelerator, model, processor)
+    vision_pass = vision_language.BlankVisionPass(accelerator, model, processor, vision_data.blank_image())
     train_windows, lr_scheduler, tracker = run_setup.start_training(
         accelerator,
         args,
@@ -252,7 +266,7 @@ def train(task, args):
     )
     answers = answer_inputs(processor, conversations["validation"])
     with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, processor, answers)
+        initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, processor, answers, vision_pass)
     before = f"eval_loss {initial_eval['eval_loss']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
     accelerator.print(f"before training: {before}")
     model.train()
@@ -271,7 +285,9 @@ def train(task, args):
                 optimizer.zero_grad()
         tracker.end_update(window, grad_norm=grad_norm)
         if window.ends_epoch:
-            tracker.evaluate(evaluate, task, model, eval_dataloader, accelerator, output_loss, processor, answers)
+            tracker.evaluate(
+                evaluate, task, model, eval_dataloader, accelerator, output_loss, processor, answers, vision_pass
+            )
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     train_chats = tokenized["train"]
     counts = {"truncated_train_conversations": train_chats.truncated, "dropped_train_conversations": train_chats.dropped}

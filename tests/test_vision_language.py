@@ -15,7 +15,7 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import vision_chat_data as vision_data
 from ft_accum.models import vision_language
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.testing import final_weights, make_tiny_idefics3, make_tiny_qwen2_vl, relative_error
+from ft_accum.testing import final_weights, make_tiny_idefics3, make_tiny_qwen2_vl, relative_error, reset_accelerate_state
 from ft_accum.testing import write_vision_conversations
 from ft_accum.training.windows import split_rows, take_rows
 
@@ -109,6 +109,14 @@ def test_row_splits_take_whole_images(tmp_path, qwen2_vl):
     assert take_rows(batch, 1)["pixel_values"].shape[0] == 32  # row 0's two images, whole
 
 
+def blank_vision_pass(model, processor):
+    from accelerate import Accelerator
+
+    vision_pass = vision_language.BlankVisionPass(Accelerator(cpu=True), model, processor, vision_data.blank_image())
+    reset_accelerate_state()
+    return vision_pass
+
+
 def gradient(model, loss):
     return torch.cat([g.flatten() for g in torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])])
 
@@ -124,12 +132,12 @@ def test_the_accumulated_update_is_the_full_batch_one(request, tmp_path, arch):
     collate = vision_data.collate_vision_chats(processor, processor.tokenizer.pad_token_id)
     loss_fn = OutputLoss(model, shift=True)
     image_ids = torch.tensor(sorted(vision_data.image_token_ids(processor, model.config)))
-    blank = vision_language.blank_image_inputs(processor, vision_language.image_feature_keys(model))
+    vision_pass = blank_vision_pass(model, processor)
 
     def loss_sum(batch):
+        vision_pass.arm(batch)
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", *vision_data.model_image_keys(batch))}
-        loss = loss_fn(model, batch["labels"], **inputs)[0]
-        return loss + 0.0 * vision_language.vision_features_of(model, blank) if batch["num_images"].sum() == 0 else loss
+        return loss_fn(model, batch["labels"], **inputs)[0]
 
     full = collate(rows)
     answers = int((full["labels"][:, 1:] != -100).sum())
@@ -147,23 +155,21 @@ def test_the_accumulated_update_is_the_full_batch_one(request, tmp_path, arch):
 
 
 def test_the_zero_weighted_vision_pass_adds_exactly_nothing(tmp_path, idefics3):
-    """A micro-batch without an image: with the blank image's pass the gradient of every parameter is
-    bitwise the one without it, and the vision tower's is exact zeros instead of none (what DDP,
-    FSDP and ZeRO-3 wait for)."""
+    """A micro-batch without an image: with the blank image's pass armed, the gradient of every
+    parameter is bitwise the one without it, and the vision tower's and connector's are exact zeros
+    instead of none (what DDP, FSDP and ZeRO-3 wait for)."""
     model_dir, processor = idefics3
     model = AutoModelForImageTextToText.from_pretrained(model_dir)
     rows = tokenized(processor, model_dir, conversations(tmp_path, 2, seed=9, image_counts=(0,))).rows
     batch = vision_data.collate_vision_chats(processor, processor.tokenizer.pad_token_id)(rows)
-    blank = vision_language.blank_image_inputs(processor, vision_language.image_feature_keys(model))
+    vision_pass = blank_vision_pass(model, processor)
     parameters = dict(model.named_parameters())
 
     def grads(with_pass: bool) -> dict:
         model.zero_grad(set_to_none=True)
-        loss = OutputLoss(model, shift=True)(model, batch["labels"], input_ids=batch["input_ids"],
-                                             attention_mask=batch["attention_mask"])[0]  # fmt: skip
-        if with_pass:
-            loss = loss + 0.0 * vision_language.vision_features_of(model, blank)
-        loss.backward()
+        vision_pass.arm(batch) if with_pass else vision_pass.disarm()
+        OutputLoss(model, shift=True)(model, batch["labels"], input_ids=batch["input_ids"],
+                                      attention_mask=batch["attention_mask"])[0].backward()  # fmt: skip
         return {name: None if p.grad is None else p.grad.clone() for name, p in parameters.items()}
 
     without, with_pass = grads(False), grads(True)

@@ -98,6 +98,15 @@ def load_image(source, base_dir: Path | None, where: str):
     return image.convert("RGB")
 
 
+def blank_image(size: int = 32):
+    """A black RGB image: the stand-in a batch without an image runs through the vision tower (each
+    processor resizes it to its own size). Black, not zero after normalisation, so that Idefics3 does
+    not drop it as padding."""
+    from PIL import Image
+
+    return Image.new("RGB", (size, size))
+
+
 def vision_conversations_of(raw, messages_column: str, images_column: str, base_dirs: dict) -> dict[str, list]:
     """{split: [(messages, [image source, ...]), ...]}, every row checked (`check_vision_messages`) and
     its images decoded once (a bad file stops the run here, not mid-training)."""

@@ -50,11 +50,11 @@ CONNECTORS = ("multi_modal_projector", "connector", "visual.merger")
 
 
 def part_name(model, candidates: tuple[str, ...], what: str) -> str:
-    """The dotted name, from the model's root, of the first of `candidates` it has."""
-    names = dict(model.named_modules())
-    for name in names:
-        if any(name == c or name.endswith(f".{c}") for c in candidates) and name.count(".") <= 2:
-            return name
+    """The dotted name, from the model's root (a peft wrapper's included), of the outermost module named
+    one of `candidates`."""
+    names = [n for n, _ in model.named_modules() if any(n == c or n.endswith(f".{c}") for c in candidates)]
+    if names:
+        return min(names, key=lambda n: n.count("."))
     raise ConfigError(
         f"{type(model).__name__} has no {what} named {' or '.join(candidates)}; this recipe knows Idefics3 (SmolVLM), "
         "Qwen2-VL, LLaVA and Gemma 3"
@@ -114,31 +114,43 @@ def image_feature_keys(model) -> set[str]:
     return {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
-def blank_image_inputs(processor, image_keys) -> dict:
-    """The processor's image tensors for one black image: a micro-batch without an image runs the tower
-    on these (`vision_features_of`, weighted by 0). Black, not zero after normalisation, so that Idefics3
-    does not drop it as padding."""
-    from PIL import Image
-
+def blank_image_inputs(processor, image_keys, blank) -> dict:
+    """The processor's tensors, of those in `image_keys`, for the one image `blank`
+    (`vision_chat_data.blank_image`)."""
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False)
-    blank = Image.new("RGB", (32, 32))  # each processor resizes it to its own size
     encoded = processor(text=[text], images=[[blank]], return_tensors="pt")
     return {k: v for k, v in encoded.items() if k in image_keys}
 
 
-def zero_weight_vision_pass(accelerator, model, processor):
-    """`vision_pass()` → Σ of the vision tower's output on a blank image (`blank_image_inputs`), for the
-    loop to add weighted by 0 when a micro-batch holds no image. Called on the unwrapped model; under
-    FSDP2 `get_image_features` is registered as a forward method of the sharded root
-    (`register_fsdp_forward_method`), so that the root's own parameters are gathered for it too."""
-    from accelerate.utils import DistributedType
+class BlankVisionPass:
+    """The vision tower's run on a blank image, for a micro-batch without an image, inside the model's
+    own forward: `arm(batch)` before each forward; while armed (the batch holds no image), a hook on
+    the language model adds `0 · Σ features` of the blank image to its input embeddings.
 
-    unwrapped = accelerator.unwrap_model(model)
-    blank = blank_image_inputs(processor, image_feature_keys(unwrapped))
-    blank = {k: v.to(accelerator.device) for k, v in blank.items()}
-    if accelerator.distributed_type == DistributedType.FSDP:
-        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+    Inside the forward, so that every process calls the same modules in the same order: a forward
+    with images runs the vision tower, then the language model, and so does an armed one (FSDP and
+    ZeRO-3 gather each module's weights as it is called, so a pass of its own, before or after the
+    forward, would pair one process's gathers with another's different ones). Adding +0.0 leaves the
+    embeddings, and every gradient but the tower's and connector's (exact zeros), bitwise unchanged.
+    `disarm()` before generate(), whose every step would otherwise run it."""
 
-        if isinstance(unwrapped, FSDPModule):
-            register_fsdp_forward_method(unwrapped, "get_image_features")
-    return lambda: vision_features_of(unwrapped, blank)
+    def __init__(self, accelerator, model, processor, blank_image):
+        self.model = accelerator.unwrap_model(model)
+        inputs = blank_image_inputs(processor, image_feature_keys(self.model), blank_image)
+        self.inputs = {k: v.to(accelerator.device) for k, v in inputs.items()}
+        self.armed = False
+        language = self.model.get_submodule(part_name(self.model, LANGUAGE_MODELS, "language model"))
+        language.register_forward_pre_hook(self._add_zero_weighted, with_kwargs=True)
+
+    def arm(self, batch: dict) -> None:
+        self.armed = not batch["num_images"].sum()
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def _add_zero_weighted(self, module, args, kwargs):
+        if not self.armed:
+            return None
+        embeds = kwargs["inputs_embeds"]  # every vision-language model calls its language model with them
+        features = vision_features_of(self.model, self.inputs)
+        return args, {**kwargs, "inputs_embeds": embeds + 0.0 * features.to(embeds.dtype)}
