@@ -1,6 +1,6 @@
 """recipes/vision_language.py and its library (issue 63): answer-only labels beside image tokens, the
-exact update over answer tokens against the full batch on Idefics3 (SmolVLM) and Qwen2-VL (whose
-`pixel_values` are flattened over the batch's images), with the two usual errors as controls that
+exact update over answer tokens against the full batch on Idefics3 (SmolVLM), Qwen2-VL (whose
+`pixel_values` are flattened over the batch's images) and LLaVA (one entry per image), with the two usual errors as controls that
 must fail (a mean of micro-batch means; a count that includes image tokens), the zero-weighted
 vision pass, whole images under row splitting, truncation, final/ round trip, and bad input."""
 
@@ -15,7 +15,8 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import vision_chat_data as vision_data
 from ft_accum.models import vision_language
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.testing import final_weights, make_tiny_idefics3, make_tiny_qwen2_vl, relative_error, reset_accelerate_state
+from ft_accum.testing import final_weights, make_tiny_idefics3, make_tiny_llava, make_tiny_qwen2_vl, relative_error
+from ft_accum.testing import reset_accelerate_state
 from ft_accum.testing import write_vision_conversations
 from ft_accum.training.windows import split_rows, take_rows
 
@@ -32,6 +33,14 @@ def idefics3(tmp_path_factory, chat_lm_dir):
 @pytest.fixture(scope="module")
 def qwen2_vl(tmp_path_factory, chat_lm_dir):
     path, processor = make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"), chat_lm_dir)
+    processor.tokenizer.padding_side = "right"
+    return path, processor
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, chat_lm_dir):
+    path = make_tiny_llava(tmp_path_factory.mktemp("tiny-llava"), chat_lm_dir)
+    processor = AutoProcessor.from_pretrained(path)
     processor.tokenizer.padding_side = "right"
     return path, processor
 
@@ -64,7 +73,7 @@ def tokenized(processor, model_dir, rows, max_length=512):
     return vision_data.tokenize_vision_chats(processor, rows, max_length, image_ids)
 
 
-@pytest.mark.parametrize("arch", ["idefics3", "qwen2_vl"])
+@pytest.mark.parametrize("arch", ["idefics3", "qwen2_vl", "llava"])
 def test_only_the_answers_carry_labels(request, tmp_path, arch):
     model_dir, processor = request.getfixturevalue(arch)
     rows = conversations(tmp_path, 6, seed=5)
@@ -118,10 +127,14 @@ def blank_vision_pass(model, processor):
 
 
 def gradient(model, loss):
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])])
+    """The loss's gradient; zeros for a parameter it does not reach (LLaVA reads its tower's last hidden
+    states: the tower's post-layernorm is never used)."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, parameters, allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for p, g in zip(parameters, grads)])
 
 
-@pytest.mark.parametrize("arch", ["idefics3", "qwen2_vl"])
+@pytest.mark.parametrize("arch", ["idefics3", "qwen2_vl", "llava"])
 def test_the_accumulated_update_is_the_full_batch_one(request, tmp_path, arch):
     """8 rows of 0, 1 and 2 images: Σ over 4 micro-batches of (loss sum / the window's answer tokens)
     equals the full batch's gradient; a micro-batch with no image adds the zero-weighted vision pass.

@@ -304,3 +304,28 @@ def make_tiny_qwen2_vl(path: Path, text_dir: Path):
     with unittest.mock.patch.object(ProcessorMixin, "check_argument_for_proper_class"):
         processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
     return path, processor
+
+
+def make_tiny_llava(path: Path, text_dir: Path) -> Path:
+    """A tiny LLaVA: a 2-layer, 16-wide CLIP tower on 16 px images in 4 px patches (16 image tokens, the
+    CLS token dropped), a 2-layer projector, the chat LM of `text_dir` as its language model, and
+    its tokenizer with `<image>` added; saved with a LLaVA processor and the ChatML vision template."""
+    from transformers import AutoTokenizer, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    from ft_accum.data import offline_vlm
+
+    tokenizer = AutoTokenizer.from_pretrained(text_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text_config = LlamaConfig.from_pretrained(text_dir).to_dict() | {"vocab_size": len(tokenizer)}
+    vision = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=16, patch_size=4, projection_dim=16)  # fmt: skip
+    config = LlavaConfig(vision_config=vision, text_config=text_config, vision_feature_layer=-1,
+                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"))  # fmt: skip
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(path)
+    image_processor = LlavaImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=4, num_additional_image_tokens=1,
+                   vision_feature_select_strategy="default", chat_template=offline_vlm.CHATML_VISION_TEMPLATE,
+                   ).save_pretrained(path)  # fmt: skip
+    return path
