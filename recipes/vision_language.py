@@ -60,7 +60,9 @@ class TaskArguments(LoraArguments):
         default=None, metadata={"help": "Hub dataset (needs network). Default: questions about digits (offline)."}
     )
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
-    train_file: Optional[str] = field(default=None, metadata={"help": "Local json or jsonl; image paths relative to it."})
+    train_file: Optional[str] = field(
+        default=None, metadata={"help": "Local json or jsonl; image paths relative to it."}
+    )
     validation_file: Optional[str] = field(default=None, metadata={"help": "Local file; default: 10%% of train."})
     messages_column: str = field(default="messages", metadata={"help": "Turns of image and text parts."})
     images_column: str = field(default="images", metadata={"help": "A list of images per row (files or Image)."})
@@ -207,7 +209,9 @@ def describe_data(task, model, tokenized, effective_batch_size: int, loss_path: 
     rows = len(train.rows)
     answers = sum(sum(label != -100 for label in row["labels"]) for row in train.rows) / rows
     trained = "LoRA on the language model, " if task.use_lora else "the language model, "
-    trained += "the vision tower and the connector" if task.train_vision_tower else "the connector (vision tower frozen)"
+    trained += (
+        "the vision tower and the connector" if task.train_vision_tower else "the connector (vision tower frozen)"
+    )
     return {
         "trainable": f"{lora.describe_trainable(model, task.lora_r if task.use_lora else None)}: {trained}",
         "conversations": f"{rows} train / {len(tokenized['validation'].rows)} eval",
@@ -262,11 +266,14 @@ def train(task, args):
         unit="answer tokens",
         sample_unit="conversations",
         banner_rows=describe_data(task, model, tokenized, plan.effective, output_loss.path),
-        mean_tokens_per_sample=sum(len(r["input_ids"]) for r in tokenized["train"].rows) / len(tokenized["train"].rows),
+        mean_tokens_per_sample=sum(len(r["input_ids"]) for r in tokenized["train"].rows)
+        / len(tokenized["train"].rows),
     )
     answers = answer_inputs(processor, conversations["validation"])
     with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, processor, answers, vision_pass)
+        initial_eval = evaluate(
+            task, model, eval_dataloader, accelerator, output_loss, processor, answers, vision_pass
+        )
     before = f"eval_loss {initial_eval['eval_loss']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
     accelerator.print(f"before training: {before}")
     model.train()
@@ -290,7 +297,10 @@ def train(task, args):
             )
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     train_chats = tokenized["train"]
-    counts = {"truncated_train_conversations": train_chats.truncated, "dropped_train_conversations": train_chats.dropped}
+    counts = {
+        "truncated_train_conversations": train_chats.truncated,
+        "dropped_train_conversations": train_chats.dropped,
+    }
     extras = lambda: save_extras(task, accelerator, model, processor, args.output_dir)  # noqa: E731
     return tracker.finish(model, tokenizer=processor, after_save=extras, **initial, **counts)
 

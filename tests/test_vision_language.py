@@ -15,9 +15,15 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.data import vision_chat_data as vision_data
 from ft_accum.models import vision_language
 from ft_accum.models.output_loss import OutputLoss
-from ft_accum.testing import final_weights, make_tiny_idefics3, make_tiny_llava, make_tiny_qwen2_vl, relative_error
-from ft_accum.testing import reset_accelerate_state
-from ft_accum.testing import write_vision_conversations
+from ft_accum.testing import (
+    final_weights,
+    make_tiny_idefics3,
+    make_tiny_llava,
+    make_tiny_qwen2_vl,
+    relative_error,
+    reset_accelerate_state,
+    write_vision_conversations,
+)
 from ft_accum.training.windows import split_rows, take_rows
 
 

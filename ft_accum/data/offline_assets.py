@@ -268,7 +268,9 @@ def digit_question(kind: str, labels: list[int], rng) -> tuple[list, str]:
     return [{"type": "text", "text": f"Which digit comes after {digit}?"}], str(digit + 1)
 
 
-def load_digit_questions(seed: int = 42, text_only_fraction: float = 0.1, pair_fraction: float = 0.1) -> datasets.DatasetDict:
+def load_digit_questions(
+    seed: int = 42, text_only_fraction: float = 0.1, pair_fraction: float = 0.1
+) -> datasets.DatasetDict:
     """Questions about scikit-learn's handwritten digits (`load_digits_images`) in TRL's vision format:
     `messages` (a user turn of image and text parts, the assistant's answer) and `images` (a list per
     row). Per split, every digit image gets one question, "Which digit is this?" or "Is this digit even
@@ -296,7 +298,10 @@ def load_digit_questions(seed: int = 42, text_only_fraction: float = 0.1, pair_f
         for kind, indices in questions:
             parts, answer = digit_question(kind, [labels[i] for i in indices], rng)
             data["messages"].append(
-                [{"role": "user", "content": parts}, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+                [
+                    {"role": "user", "content": parts},
+                    {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+                ]
             )
             data["images"].append([images[i] for i in indices])
         splits[split] = datasets.Dataset.from_dict(data, features=features)

@@ -66,7 +66,10 @@ def assembled_processor(tokenizer, image_size: int, patch_size: int, scale_facto
     )
     seq_len = image_seq_len(image_size, patch_size, scale_factor)
     return Idefics3Processor(
-        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=seq_len, chat_template=CHATML_VISION_TEMPLATE
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=seq_len,
+        chat_template=CHATML_VISION_TEMPLATE,
     )
 
 
@@ -132,5 +135,3 @@ def bundled_smolvlm_dir(cache_dir: str | Path | None = None) -> Path:
         if (target / "model.safetensors").is_file():
             return target
         return assemble_smolvlm(text_dir, target)
-
-

@@ -52,7 +52,8 @@ def check_vision_messages(messages, num_images: int, where: str) -> None:
     for turn in messages:
         content = turn.get("content") if isinstance(turn, dict) else None
         parts_ok = isinstance(content, list) and all(
-            isinstance(p, dict) and (p.get("type") == "image" or (p.get("type") == "text" and isinstance(p.get("text"), str)))
+            isinstance(p, dict)
+            and (p.get("type") == "image" or (p.get("type") == "text" and isinstance(p.get("text"), str)))
             for p in content
         )
         if turn.get("role") not in ROLES if isinstance(turn, dict) else True:
@@ -63,9 +64,13 @@ def check_vision_messages(messages, num_images: int, where: str) -> None:
                 f"{{'type': 'text', 'text': ...}} parts, got {str(content)[:80]!r}"
             )
         if turn["role"] == "assistant" and image_parts(content):
-            raise ConfigError(f"{where}: an assistant turn holds an image; answers are text, move the image to a user turn")
+            raise ConfigError(
+                f"{where}: an assistant turn holds an image; answers are text, move the image to a user turn"
+            )
     if not any(turn["role"] == "assistant" for turn in messages):
-        raise ConfigError(f"{where}: the conversation has no assistant turn, so nothing to learn; drop the row or add the answer")
+        raise ConfigError(
+            f"{where}: the conversation has no assistant turn, so nothing to learn; drop the row or add the answer"
+        )
     placeholders = sum(image_parts(turn["content"]) for turn in messages)
     if placeholders != num_images:
         raise ConfigError(
@@ -92,7 +97,9 @@ def load_image(source, base_dir: Path | None, where: str):
             image = Image.open(path)
         image.load()
     except FileNotFoundError as exc:
-        raise ConfigError(f"{where}: image file {exc.filename} not found; image paths are relative to the data file") from None
+        raise ConfigError(
+            f"{where}: image file {exc.filename} not found; image paths are relative to the data file"
+        ) from None
     except (UnidentifiedImageError, OSError) as exc:
         raise ConfigError(f"{where}: an image does not decode ({exc}); fix or drop the file") from None
     return image.convert("RGB")
@@ -161,7 +168,11 @@ def image_token_ids(processor, config=None) -> set[int]:
     tokenizer = processor.tokenizer
     from_config = {getattr(config, a) for a in dir(config) if a.endswith(("_token_id", "_token_index"))
                    and any(w in a for w in ("image", "vision", "boi", "eoi"))} if config is not None else set()  # fmt: skip
-    attributes = [a for a in dir(processor) if a.endswith(("_token", "_tag")) and ("im" in a or "vision" in a or a in ("boi_token", "eoi_token"))]
+    attributes = [
+        a
+        for a in dir(processor)
+        if a.endswith(("_token", "_tag")) and ("im" in a or "vision" in a or a in ("boi_token", "eoi_token"))
+    ]
     names = [getattr(processor, a, None) for a in attributes]
     names += [getattr(tokenizer, a, None) for a in ("image_token", "boi_token", "eoi_token", "vision_start_token",
                                                    "vision_end_token")]  # fmt: skip
@@ -203,7 +214,9 @@ class VisionChats:
     image_tokens: int  # their tokens, markers included
 
 
-def tokenize_vision_chats(processor, conversations: list, max_length: int, image_ids: set[int], split: str = "train") -> VisionChats:
+def tokenize_vision_chats(
+    processor, conversations: list, max_length: int, image_ids: set[int], split: str = "train"
+) -> VisionChats:
     """Token ids and assistant-only labels per conversation; cut at `max_length` only after the last
     image's tokens (`image_ids`: `image_token_ids`)."""
     rows, truncated, dropped, num_images, image_tokens = [], 0, 0, 0, 0
@@ -235,7 +248,9 @@ def tokenize_vision_chats(processor, conversations: list, max_length: int, image
     return VisionChats(rows, truncated, dropped, num_images, image_tokens)
 
 
-def tokenize_splits(processor, conversations: dict[str, list], max_length: int, image_ids: set[int]) -> dict[str, VisionChats]:
+def tokenize_splits(
+    processor, conversations: dict[str, list], max_length: int, image_ids: set[int]
+) -> dict[str, VisionChats]:
     """`tokenize_vision_chats` of each split; a split left with no answer token stops in one line."""
     tokenized = {
         s: tokenize_vision_chats(processor, chats, max_length, image_ids, s) for s, chats in conversations.items()
@@ -303,7 +318,11 @@ def collate_vision_chats(processor, pad_token_id: int):
             n = len(row["input_ids"])
             if encoded["input_ids"][i, :n].tolist() != row["input_ids"]:
                 raise ConfigError("the processor rendered a row differently in a batch than alone (its padding side?)")
-            input_ids[i, :n], attention_mask[i, :n], labels[i, :n] = encoded["input_ids"][i, :n], 1, torch.tensor(row["labels"])
+            input_ids[i, :n], attention_mask[i, :n], labels[i, :n] = (
+                encoded["input_ids"][i, :n],
+                1,
+                torch.tensor(row["labels"]),
+            )
         batch = {"input_ids": input_ids, "attention_mask": attention_mask}  # input_ids first: find_batch_size reads it
         batch |= {k: v for k, v in encoded.items() if k not in TEXT_KEYS and not _is_per_token(v, encoded)}
         batch |= {k: v[:, :length] for k, v in encoded.items() if k not in TEXT_KEYS and _is_per_token(v, encoded)}
@@ -325,5 +344,9 @@ def model_image_keys(batch: dict) -> list[str]:
     none when its rows have no image (rows cut from a batch with images keep Idefics3's all-padding
     `pixel_values`, which its vision tower cannot take)."""
     if not batch["num_images"].sum():
-        return [k for k in batch if k not in (*TEXT_KEYS, "labels", "num_images", "row_of") and _is_per_token(batch[k], batch)]
+        return [
+            k
+            for k in batch
+            if k not in (*TEXT_KEYS, "labels", "num_images", "row_of") and _is_per_token(batch[k], batch)
+        ]
     return [k for k in batch if k not in (*TEXT_KEYS, "labels", "num_images", "row_of")]

@@ -119,7 +119,9 @@ def make_conversations(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_vision_conversations(folder: Path, n: int, seed: int, image_counts: tuple[int, ...] = (2, 0, 1, 0, 1, 2)) -> Path:
+def write_vision_conversations(
+    folder: Path, n: int, seed: int, image_counts: tuple[int, ...] = (2, 0, 1, 0, 1, 2)
+) -> Path:
     """`n` conversations in TRL's vision format in `folder`/data.jsonl, their images as 8 px PNG files
     in `folder`/images/ (paths relative to the data file): row i has image_counts[i % len] images (the
     default mixes rows of 2, 1 and 0), one-word answers beside 10–25-word ones."""

@@ -259,7 +259,9 @@ def make_tiny_idefics3(path: Path, text_dir: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(text_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": list(offline_vlm.IMAGE_TOKENS)})
     text_config = LlamaConfig.from_pretrained(text_dir).to_dict() | {"vocab_size": len(tokenizer)}
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4)
+    vision = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4
+    )
     config = Idefics3Config(text_config=text_config, vision_config=vision, scale_factor=2,
                             image_token_id=tokenizer.convert_tokens_to_ids("<image>"))  # fmt: skip
     torch.manual_seed(0)

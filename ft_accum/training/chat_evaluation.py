@@ -43,7 +43,12 @@ def greedy_exact_match(accelerator, model, tokenizer, items: list, encode, *, ma
     for chunk, real in every_rank.rank_batches(items, accelerator.process_index, accelerator.num_processes, 8):
         inputs = {k: v.to(accelerator.device) for k, v in encode([prompt for prompt, _ in chunk]).items()}
         generated = every_rank.generate(
-            accelerator, model, **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            accelerator,
+            model,
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
         )
         answers = tokenizer.batch_decode(generated[:real, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         hits += sum(normalize(a) == normalize(reference) for a, (_, reference) in zip(answers, chunk))
