@@ -147,7 +147,11 @@ class TrainingArguments:
     )
     save_total_limit: Optional[int] = field(default=None, metadata={"help": "Keep only the newest K checkpoints."})
     resume_from_checkpoint: Optional[str] = field(
-        default=None, metadata={"help": "A checkpoint folder, or 'latest' under --output_dir."}
+        default=None,
+        metadata={
+            "help": "A checkpoint folder; 'latest' under --output_dir; or 'auto': latest if there is one, else a "
+            "fresh start (requeued jobs, torchrun restarts)."
+        },
     )
     max_consecutive_skipped_updates: int = field(
         default=20, metadata={"help": "fp16: stop after this many updates in a row skipped for overflow; 0 = never."}

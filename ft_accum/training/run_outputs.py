@@ -311,6 +311,9 @@ def write_results(
         "distributed_type": accelerator.distributed_type.value,
         "engine": describe_engine(accelerator.distributed_type.value, accelerator.num_processes),
         "peak_memory_gb": peak_memory_gb(accelerator.device),
+        # How often the job was started again: SLURM's requeues, torchrun's restarts (--max_restarts).
+        "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+        "torchelastic_restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
     }
     if accelerator.is_main_process:
         (Path(output_dir) / "all_results.json").write_text(json.dumps(results, indent=2))

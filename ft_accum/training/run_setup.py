@@ -19,7 +19,7 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.core.lr_scaling import describe_lr_scaling
 from ft_accum.models.loading import describe_dtypes
 from ft_accum.models.low_memory import adamw_8bit, adamw_8bit_stochastic_rounding
-from ft_accum.training import collective_timeout, model_card, training_state
+from ft_accum.training import checkpointing, collective_timeout, model_card, training_state
 from ft_accum.training.banner import format_banner
 from ft_accum.training.graceful_stop import GracefulStop, started_command, without_resume
 from ft_accum.training.run_outputs import check_accelerator, describe_engine, prepare_output_dir, resolve_report_to
@@ -52,9 +52,11 @@ def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str 
     collective_timeout.start_run(args.ddp_timeout, accelerator.process_index, accelerator.num_processes)
     check_accelerator(accelerator, loss_weighted_by=loss_weighted_by)
     plan = args.batch_plan(accelerator.num_processes)
+    resume_asked = bool(args.resume_from_checkpoint)  # auto with nothing to resume starts afresh, unrefused
+    args.resume_from_checkpoint = checkpointing.resolve_auto_resume(args.resume_from_checkpoint, args.output_dir)
     prepare_output_dir(
         args.output_dir,
-        resume=bool(args.resume_from_checkpoint),
+        resume=resume_asked,
         overwrite=args.overwrite_output_dir,
         is_main_process=accelerator.is_main_process,
     )
