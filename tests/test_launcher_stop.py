@@ -103,7 +103,7 @@ def assert_stopped_cleanly(process, log, out, code, max_train_steps) -> tuple[in
         pytest.param(1, signal.SIGINT, "group", 130, id="1 process, killpg SIGINT (Ctrl-C)"),
         pytest.param(1, signal.SIGTERM, "launcher", 143, id="1 process, SIGTERM to the launcher alone (docker stop)"),
         pytest.param(1, signal.SIGTERM, "pid 1", 143, id="1 process, SIGTERM to PID 1 of a PID namespace (container)"),
-        pytest.param(2, signal.SIGTERM, "group", 143, id="2 processes, killpg SIGTERM"),
+        # 2 processes, SIGTERM to every process: tests/test_slurm.py's requeue and preemption (2 machines).
     ],
 )
 def test_the_checkpoint_is_complete_when_the_launcher_returns(
@@ -124,16 +124,7 @@ def test_the_checkpoint_is_complete_when_the_launcher_returns(
         os.kill(psutil.Process(process.pid).children()[0].pid, signum)
     process.wait(timeout=300)
     stopped_at, saved = assert_stopped_cleanly(process, log, out, code, max_train_steps=400)
-    if num_processes == 1:
-        assert saved.startswith(f"ft-accum launch --config_file {CPU_CONFIG} ")
-    else:
-        assert saved.startswith("ACCELERATE_USE_CPU=true ft-accum launch --multi_gpu --num_processes 2 ")
-        assert (
-            json.loads((out / "checkpoints" / f"step_{stopped_at:06d}" / "training_state.json").read_text())[
-                "signature"
-            ]["num_processes"]
-            == 2
-        )
+    assert saved.startswith(f"ft-accum launch --config_file {CPU_CONFIG} ")
 
 
 def test_the_saved_resume_command_continues_bit_identically_in_the_same_precision(

@@ -150,7 +150,7 @@ class TrainingArguments:
         default=None,
         metadata={
             "help": "A checkpoint folder; 'latest' under --output_dir; or 'auto': latest if there is one, else a "
-            "fresh start (requeued jobs, torchrun restarts)."
+            "fresh start (requeued jobs)."
         },
     )
     max_consecutive_skipped_updates: int = field(

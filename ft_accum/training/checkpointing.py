@@ -180,8 +180,8 @@ def checkpoint_problem(checkpoint: Path, verify_hashes: bool = True) -> str | No
 
 def resolve_auto_resume(resume_from_checkpoint: str | None, output_dir: str | os.PathLike) -> str | None:
     """`--resume_from_checkpoint auto`: "latest" when --output_dir holds a complete checkpoint, else None
-    (a fresh start); any other value unchanged. What a requeued SLURM job or a torchrun restart
-    (`--max_restarts`) runs: the same command, which continues wherever the run got to."""
+    (a fresh start); any other value unchanged. What a requeued SLURM job runs: the same command,
+    which continues wherever the run got to."""
     if resume_from_checkpoint != "auto":
         return resume_from_checkpoint
     return "latest" if list_checkpoints(output_dir) else None
