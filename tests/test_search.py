@@ -341,3 +341,24 @@ def test_a_repeated_sample_is_told_the_earlier_trials_end_without_a_run():
     )
     assert repeat_pruned.state.name == "PRUNED" and repeat_pruned.intermediate_values == {0: 0.2}
     assert repeat_first.user_attrs["same_as"] == "trial_0000" and repeat_pruned.user_attrs["same_as"] == "trial_0001"
+
+
+def test_a_trial_taken_up_whose_run_had_finished_is_recorded_from_its_results(tmp_path, monkeypatch):
+    """The worker was killed after the trial's run wrote all_results.json and before the study recorded
+    it: the worker that takes the trial up records the run's metric and runs nothing (launched again,
+    the recipe would refuse the finished folder, and the trial would be marked failed: issue 64)."""
+    from ft_accum.cli import launching
+
+    study = optuna.create_study(direction="maximize")
+    trial = study.ask()
+    (tmp_path / "trial_0000").mkdir()
+    (tmp_path / "trial_0000" / "all_results.json").write_text(json.dumps({"eval_accuracy": 0.75}))
+    monkeypatch.setattr(
+        launching, "launch_and_watch", lambda *args, **kwargs: pytest.fail("ran a finished trial again")
+    )
+    search = {"metric": "eval_accuracy", "space": {"learning_rate": {"choices": [1e-4]}}, "n_trials": 1, "plan": None}
+    sweep = {"search": search, "output_dir": str(tmp_path), "base": {}, "recipe": "recipes/text_classification.py",
+             "timeout_per_run": 60}  # fmt: skip
+    search_trials.run_trial(optuna, sweep, study, trial, taken_up=True, default_micro=8, num_processes=1)
+    (recorded,) = study.get_trials()
+    assert (recorded.state.name, recorded.value) == ("COMPLETE", 0.75)

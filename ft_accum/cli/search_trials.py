@@ -205,6 +205,12 @@ def run_trial(optuna, sweep: dict, study, trial, taken_up: bool, default_micro: 
         print(f"  {name}: failed: {exc}", flush=True)
         return
     reported = set(frozen.intermediate_values)
+    if taken_up and read_record(run_dir, "all_results.json"):
+        # Its run finished before the study recorded it (the worker was killed in between): record it from
+        # its results. Launched again, the recipe would refuse the folder, and the trial would be lost.
+        print(f"[trial {trial.number + 1}/{search['n_trials']}] {name}: taken up, its run had finished", flush=True)
+        tell_finished(optuna, study, trial, run_dir, search, name)
+        return
     print(f"[trial {trial.number + 1}/{search['n_trials']}] {name}"
           + (" (taken up, resuming)" if taken_up else "") + ": "
           + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()), flush=True)  # fmt: skip
@@ -230,16 +236,7 @@ def run_trial(optuna, sweep: dict, study, trial, taken_up: bool, default_micro: 
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             return
         if returncode == 0 and results:
-            value = results.get(search["metric"])
-            if value is None or not math.isfinite(value):
-                values = [r[search["metric"]] for r in read_evaluations(run_dir) if search["metric"] in r]
-                value = values[-1] if values else None
-            if value is None:
-                trial.set_user_attr("error", f"the run ended without logging {search['metric']}")
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                return
-            study.tell(trial, float(value))
-            print(f"  {name}: {search['metric']} {value:.4g}", flush=True)
+            tell_finished(optuna, study, trial, run_dir, search, name)
             return
         tail = (run_dir / "log.txt").read_text(errors="replace")[-4000:]
         if any(m in tail for m in launching.OOM_MARKERS) and not attrs.get("replanned_args"):
@@ -258,6 +255,21 @@ def run_trial(optuna, sweep: dict, study, trial, taken_up: bool, default_micro: 
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
         print(f"  {name}: failed: {error}", flush=True)
         return
+
+
+def tell_finished(optuna, study, trial, run_dir: Path, search: dict, name: str) -> None:
+    """Tell the study a finished run's metric: all_results.json's, else its last logged evaluation's."""
+    results = read_record(run_dir, "all_results.json") or {}
+    value = results.get(search["metric"])
+    if value is None or not math.isfinite(value):
+        values = [r[search["metric"]] for r in read_evaluations(run_dir) if search["metric"] in r]
+        value = values[-1] if values else None
+    if value is None:
+        trial.set_user_attr("error", f"the run ended without logging {search['metric']}")
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        return
+    study.tell(trial, float(value))
+    print(f"  {name}: {search['metric']} {value:.4g}", flush=True)
 
 
 def reproduce_command(sweep: dict, args: dict[str, Any]) -> str:
