@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 from accelerate.utils import set_seed
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from ft_accum.core.errors import ConfigError
 from ft_accum.data import data_sources, offline_assets, offline_vlm
@@ -124,8 +124,8 @@ def load_conversations(task, args):
     return vision_data.vision_conversations_of(raw, task.messages_column, task.images_column, folders)
 
 
-def build_dataloaders(task, args, accelerator, conversations, processor, model_name):
-    image_ids = vision_data.image_token_ids(processor, AutoConfig.from_pretrained(model_name))
+def build_dataloaders(task, args, accelerator, conversations, processor, model_config):
+    image_ids = vision_data.image_token_ids(processor, model_config)
     with accelerator.main_process_first():
         tokenized = vision_data.tokenize_splits(processor, conversations, task.max_seq_length, image_ids)
     collate = vision_data.collate_vision_chats(processor, processor.tokenizer.pad_token_id)
@@ -242,7 +242,7 @@ def train(task, args):
     with accelerator.main_process_first():  # the first run assembles the default model once, on one process
         model, processor = build_model(task, args, accelerator)
     train_dataloader, eval_dataloader, tokenized = build_dataloaders(
-        task, args, accelerator, conversations, processor, base_model_name(task)
+        task, args, accelerator, conversations, processor, model.config
     )
     run_setup.fit_fsdp_units(accelerator, model)  # under FSDP: which modules shard together
     optimizer = run_setup.build_optimizer(

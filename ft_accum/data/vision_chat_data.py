@@ -56,7 +56,7 @@ def check_vision_messages(messages, num_images: int, where: str) -> None:
             and (p.get("type") == "image" or (p.get("type") == "text" and isinstance(p.get("text"), str)))
             for p in content
         )
-        if turn.get("role") not in ROLES if isinstance(turn, dict) else True:
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES:
             raise ConfigError(f"{where}: every turn needs a role in {', '.join(ROLES)}, got {str(turn)[:80]!r}")
         if not (isinstance(content, str) or parts_ok):
             raise ConfigError(
@@ -343,10 +343,5 @@ def model_image_keys(batch: dict) -> list[str]:
     """The tensors of a collated batch the model takes besides the text: pixel values and their layout;
     none when its rows have no image (rows cut from a batch with images keep Idefics3's all-padding
     `pixel_values`, which its vision tower cannot take)."""
-    if not batch["num_images"].sum():
-        return [
-            k
-            for k in batch
-            if k not in (*TEXT_KEYS, "labels", "num_images", "row_of") and _is_per_token(batch[k], batch)
-        ]
-    return [k for k in batch if k not in (*TEXT_KEYS, "labels", "num_images", "row_of")]
+    keys = [k for k in batch if k not in (*TEXT_KEYS, "labels", "num_images", "row_of")]
+    return keys if batch["num_images"].sum() else [k for k in keys if _is_per_token(batch[k], batch)]

@@ -259,11 +259,11 @@ class OutputLoss:
         model.eval()
         # One row, unless the inputs hold images, whose tensors need not have one entry per row (Qwen2-VL's
         # patches of all the batch's images): then the whole micro-batch.
-        rows = len(labels) if any(k.startswith(("pixel_", "image_")) for k in inputs) else 1
-        row = {k: v[:rows] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()} if rows == 1 else inputs
-        full, _ = self._full_logits_loss(model(**row).logits, labels[:rows])
+        if not any(k.startswith(("pixel_", "image_")) for k in inputs):
+            inputs, labels = {k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, labels[:1]
+        full, _ = self._full_logits_loss(model(**inputs).logits, labels)
         chunked, _ = linear_cross_entropy_sum(
-            self.hidden_states(model, **row), self.layer.weight, self.layer.bias, self._targets(labels[:rows])
+            self.hidden_states(model, **inputs), self.layer.weight, self.layer.bias, self._targets(labels)
         )
         model.train(was_training)
         if not torch.allclose(chunked, full, rtol=2e-2 if full.dtype != torch.float32 else 1e-4):

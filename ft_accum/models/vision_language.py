@@ -6,12 +6,13 @@ own names (Idefics3/SmolVLM: `text_model`, `vision_model`, `connector`; Qwen2-VL
 `multi_modal_projector`). LoRA goes on the language model's linear layers only (`lora_targets`); the
 connector trains whole, and the vision tower with --train_vision_tower (`trained_parts`).
 
-The vision pass (`vision_features_of`). Under DDP, FSDP and DeepSpeed every process must run the
+The vision pass (`BlankVisionPass`). Under DDP, FSDP and DeepSpeed every process must run the
 vision tower in every micro-batch, else its parameters get no gradient on one process and the
 collective waits for ever (DDP's unused parameters, TRL #6617; ZeRO-3 and FSDP hang, DeepSpeed
-#7170, transformers #37186). A micro-batch without an image runs the tower on a blank image and
-adds `0 · Σ features` to its loss: the tower's gradient gets exact zeros, and every other
-gradient is bitwise unchanged (a separate graph, tests/test_vision_language.py).
+#7170, transformers #37186). A micro-batch without an image runs the tower on a blank image inside
+the model's forward and adds `0 · Σ features` to the language model's input embeddings: the
+tower's gradient gets exact zeros, and every other gradient is bitwise unchanged
+(tests/test_vision_language.py).
 """
 
 from __future__ import annotations
