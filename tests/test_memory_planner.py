@@ -43,6 +43,8 @@ def tiny_llama(layers=2):
         ("qwen2.5-1.5b", "causal_lm", 1543.7),
         ("llama-3.1-8b", "causal_lm", 8030.3),
         ("smollm2-135m", "causal_lm", 134.5),
+        ("smolvlm-instruct", "vision_language", 2246.3),  # 2.25B on its model card
+        ("qwen2.5-vl-3b", "vision_language", 3754.6),  # 3,754,622,976 in its safetensors index
     ],
 )
 def test_shipped_configs_have_the_published_sizes(name, task, published_millions):
@@ -197,6 +199,7 @@ def test_plan_cli_offline_with_a_config_file_and_json(tmp_path, capsys):
         ({"task": "seq2seq"}, "has no seq2seq head"),
         ({"pcie_gbps": 0.0}, "--pcie_gbps must be a positive number"),
         ({"gpu_tflops": float("nan")}, "--gpu_tflops must be a positive number"),
+        ({"task": "vision_language"}, "the planner lays out images for idefics3"),
     ],
 )
 def test_plan_bad_input(overrides, message, tmp_path, monkeypatch):
@@ -576,3 +579,60 @@ def test_a_distillation_plan_holds_the_teacher_trains_the_student_and_chunks_bel
         load_recipe("distillation").TaskArguments, launch.split("recipes/distillation.py ")[1].split()
     )
     assert args.effective_batch_size == 16 and task.student_layers == 3 and task.max_seq_length == 96
+
+
+def tiny_idefics3():
+    from transformers import Idefics3Config
+
+    text = tiny_llama().to_dict()
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+                  patch_size=4)  # fmt: skip
+    return Idefics3Config(text_config=text, vision_config=vision, scale_factor=2, image_token_id=500)
+
+
+def tiny_qwen2_5_vl():
+    """Window attention in 16 px windows of 32 px images (4 per image), full attention in blocks 1 and 3."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})  # fmt: skip
+    vision = dict(depth=4, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1, 3])  # fmt: skip
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=500, vision_start_token_id=501,
+                            vision_end_token_id=502)  # fmt: skip
+
+
+@pytest.mark.parametrize("config_fn, image_size", [(tiny_idefics3, 16), (tiny_qwen2_5_vl, 32)])
+def test_a_vision_language_trace_runs_the_models_own_image_code_and_matches_real_tensors(config_fn, image_size):
+    """Idefics3 picks its real images with a mask, Qwen2.5-VL loops over image grids and windows: with the
+    layout held as constants the fake trace runs that code, and its peak is the real run's; the tower's
+    activations count once it trains; LoRA's copy of the connector (modules_to_save) is counted."""
+    settings = dict(task="vision_language", micro_batch_size=2, seq_len=40, images_per_sample=2, image_size=image_size)
+    lora = dict(lora_r=4, train_vision_tower=True)  # LoRA on the text, the tower and connector copied whole
+    fake = tracing.trace_step(config_fn(), **settings, **lora)
+    assert fake.peak == pytest.approx(
+        tracing.trace_step(config_fn(), **settings, **lora, real_tensors=True).peak, rel=0.02
+    )
+    frozen = tracing.trace_step(config_fn(), **settings)
+    trained = tracing.trace_step(config_fn(), **settings, train_vision_tower=True)
+    assert trained.activations_gradients_temporaries > frozen.activations_gradients_temporaries
+    assert trained.optimizer_state > frozen.optimizer_state
+
+
+def test_a_vision_language_plan_states_its_images_and_is_a_run_of_the_vision_recipe(tmp_path):
+    from ft_accum.testing import load_recipe
+    from ft_accum.training.arguments import parse_args
+
+    config_file = tmp_path / "config.json"
+    config_file.write_text(tiny_qwen2_5_vl().to_json_string())
+    settings = dict(task="vision_language", seq_len=96, effective_batch_size=2, gpu_memory_gib=12, precision="fp32",
+                    image_size=32, images_per_sample=2, lora_r=4, train_vision_tower=True)  # fmt: skip
+    result = mp.plan(str(config_file), **settings)
+    assert result["image_tokens_per_image"] == (32 // 4) ** 2 // 2**2  # 64 patches, merged 2 × 2
+    assert result["vision_tower_parameters"] > 0
+    flags = result["launch"].split("recipes/vision_language.py ")[1].split()
+    assert "--train_vision_tower" in flags and "--max_seq_length" in flags
+    task, args = parse_args(load_recipe("vision_language").TaskArguments, flags)
+    assert (task.train_vision_tower, task.use_lora, task.max_seq_length) == (True, True, 96)
+    with pytest.raises(ConfigError, match=r"2 image\(s\) of 32 px are 36 tokens, no room in --seq_len 30"):
+        mp.plan(str(config_file), **(settings | {"seq_len": 30}))

@@ -46,6 +46,9 @@ def plan_command(args: argparse.Namespace) -> int:
         precompute_ref_log_probs=args.precompute_ref_log_probs,
         completion_length=args.completion_length,
         student_layers=args.student_layers,
+        image_size=args.image_size,
+        images_per_sample=args.images_per_sample,
+        train_vision_tower=args.train_vision_tower,
         recipe=args.recipe,
     )
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -138,6 +141,11 @@ def format_plan(result: dict) -> str:
             f"{r['peak_gib']:>9.2f} {b['parameters'] + b['optimizer_state']:>11.2f} {'yes' if r['fits'] else 'no':>4} {r['relative_throughput']:>10.2f}"
             + (f" {'on' if r['offload_activations'] else 'off':>7} {r['host_gib']:>8.2f}" if offloading else "")
         )
+    if "image_tokens_per_image" in result:
+        lines.insert(2, f"images: {result['images_per_sample']} of {result['image_size']} px per sample, "
+                        f"{result['image_tokens_per_image']} tokens each (within the {result['seq_len']}); vision tower "
+                        f"{result['vision_tower_parameters'] / 1e6:.0f}M parameters, "
+                        + ("trained" if result["train_vision_tower"] else "frozen"))  # fmt: skip
     best = result["recommended"]
     lines.append("")
     if best:
@@ -244,6 +252,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="--task distillation: the student's layers, kept from the teacher's (default: half of them)",
     )
+    plan.add_argument(
+        "--image_size",
+        type=int,
+        default=None,
+        help="--task vision_language: px of each (square) image the tower sees; default its own size (Qwen: 448)",
+    )
+    plan.add_argument(
+        "--images_per_sample",
+        type=int,
+        default=1,
+        help="--task vision_language: images per conversation (for SmolVLM's image splitting, its tiles + 1)",
+    )
+    plan.add_argument("--train_vision_tower", action="store_true", help="--task vision_language: train the tower too")
     plan.add_argument(
         "--recipe",
         default=None,

@@ -64,6 +64,8 @@ def recipe_flags(settings: dict) -> list[str]:
         flags.append(f"--loss={settings['preference_loss']}")
     if settings.get("precompute_ref_log_probs"):
         flags.append("--precompute_ref_log_probs")
+    if settings.get("train_vision_tower"):
+        flags.append("--train_vision_tower")
     if settings.get("student_layers"):
         flags.append(f"--student_layers={settings['student_layers']}")
     return flags

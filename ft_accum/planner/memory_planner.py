@@ -120,6 +120,9 @@ def plan(
     precompute_ref_log_probs: bool = False,
     completion_length: int | None = None,
     student_layers: int | None = None,
+    image_size: int | None = None,
+    images_per_sample: int = 1,
+    train_vision_tower: bool = False,
     recipe: str | Path | None = None,
 ) -> dict[str, Any]:
     """Every exact split of the effective batch, with and without checkpointing: predicted peak, fit, speed.
@@ -142,6 +145,11 @@ def plan(
     the same for every split but the one of a single micro-batch, which skips it.
     `task="distillation"` plans recipes/distillation.py: `model` is the teacher, the student its
     `student_layers` (default half); a sample is a conversation of `seq_len` tokens, all counted.
+
+    `task="vision_language"` plans recipes/vision_language.py: a sample is a conversation of `seq_len`
+    tokens that opens with `images_per_sample` images of `image_size` px (their placeholder tokens count
+    in `seq_len`, as in the recipe's --max_seq_length); the model's own forward runs, vision tower
+    included, frozen unless `train_vision_tower`. The result says how many tokens an image is.
     """
     if preference_loss not in PREFERENCE_LOSSES:
         raise ConfigError(f"--loss must be one of {', '.join(PREFERENCE_LOSSES)}, got {preference_loss!r}")
@@ -150,7 +158,7 @@ def plan(
             raise ConfigError(f"{name} must be a positive number, got {value:g}; leave it out for the default")
     config = load_model_config(model)
     # The recipes refuse a sequence longer than the model's positions; so must the plan (issue 19).
-    check_context_length(config, seq_len, "--seq_len")
+    check_context_length(config.get_text_config(), seq_len, "--seq_len")
     micros = candidate_micro_batches(effective_batch_size, num_processes)
     spec = task_spec(task)
     offered = {
@@ -158,8 +166,12 @@ def plan(
         "precompute_ref_log_probs": precompute_ref_log_probs,
         "completion_length": min(completion_length or seq_len, seq_len - 1),  # a prompt has ≥ 1 token
         "student_layers": student_layers,
+        "image_size": image_size,
+        "images_per_sample": images_per_sample,
+        "train_vision_tower": train_vision_tower,
     }
     task_settings = {name: offered[name] for name in spec.settings}
+    image_notes = image_plan(config, seq_len, image_size, images_per_sample) if "image_size" in spec.settings else {}
     settings = {
         "task": task,
         "seq_len": seq_len,
@@ -278,6 +290,7 @@ def plan(
         "offload_activations": offload_activations,
         "recipe": str(recipe) if recipe else None,
         **task_settings,
+        **image_notes,
         "gpu_tflops": gpu_tflops,
         "pcie_gbps": pcie_gbps,
         "training_flops_per_token": flops_per_token,
@@ -288,6 +301,29 @@ def plan(
     }
     result["launch"] = launch_line(result)
     return result
+
+
+def image_plan(config, seq_len: int, image_size: int | None, images_per_sample: int) -> dict[str, Any]:
+    """What a vision-language plan states beside its table: the image size, its tokens, their share of a
+    sample, and the vision tower's parameters; one line where the images leave no room for text."""
+    import torch
+
+    from ft_accum.models import vision_language
+    from ft_accum.planner.task_specs import build_model
+    from ft_accum.planner.vision_inputs import image_layout, image_prefix
+
+    if images_per_sample < 1:
+        raise ConfigError(f"--images_per_sample must be ≥ 1, got {images_per_sample}")
+    layout = image_layout(config, image_size)
+    image_prefix(config, layout, images_per_sample, seq_len)  # room for text after the images, else one line
+    with torch.device("meta"):
+        model = build_model(config, "vision_language")
+    tower = vision_language.part_name(model, vision_language.VISION_TOWERS, "vision tower")
+    return {
+        "image_size": layout.image_size,
+        "image_tokens_per_image": layout.tokens_per_image,
+        "vision_tower_parameters": sum(p.numel() for n, p in model.named_parameters() if n.startswith(f"{tower}.")),
+    }
 
 
 def parse_memory(text: str) -> float:

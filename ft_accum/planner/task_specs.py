@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ft_accum.core.errors import ConfigError
+from ft_accum.models.lora import parse_target_modules
 
 # Preference tuning's reference while it trains (recipes/preference_tuning.py): the policy with its LoRA
 # adapters off, a frozen copy (full DPO), or none (SimPO, ORPO, DPO with --precompute_ref_log_probs).
@@ -33,13 +34,23 @@ class TaskSpec:
     auto_model: str  # the transformers Auto class its recipe builds the model with
     sequence_flag: str  # the recipe flag that sets the planned sequence length
     sample: str  # what one sample of --effective_batch_size is (`ft-accum plan --help`)
-    example_batch: Callable[..., dict]  # (config, micro_batch_size, seq_len, completion_length) -> a micro-batch
+    example_batch: Callable[..., dict]  # (config, micro_batch_size, seq_len, task settings) -> a micro-batch
     traced_step: Callable[[Any, str, dict], Step]  # (recipe module, loss path, task settings) -> the step
     sequences_per_sample: int = 1  # a pair is 2: its tokens per sample are 2 × seq_len
     settings: tuple[str, ...] = ()  # the plan's keywords that only this task takes
     frozen_teacher: bool = False  # distillation: a student of the model's layers trains beside it, frozen
     dpo_reference: bool = False  # preference: DPO's reference runs beside the policy
     embedding_cache: bool = False  # contrastive: GradCache holds the update's embeddings (`embedding_cache_bytes`)
+    # The batch's values steer the model's layout code (image grids, placeholder masks): traced with its
+    # integer tensors as constants (tracing.layout_constants).
+    layout_constants: bool = False
+    # (model, lora target modules, settings) -> peft's target_modules and modules_to_save, as the recipe sets them
+    lora_modules: Callable[[Any, str, dict], tuple[Any, list[str] | None]] = lambda model, targets, settings: (
+        parse_target_modules(targets),
+        None,
+    )
+    # (model, settings): what a full fine-tune freezes, as the recipe does (the vision tower)
+    freeze: Callable[[Any, dict], None] = lambda model, settings: None
 
 
 def _token_batch(config, micro_batch_size: int, seq_len: int) -> dict:
@@ -47,13 +58,13 @@ def _token_batch(config, micro_batch_size: int, seq_len: int) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def causal_lm_batch(config, micro_batch_size: int, seq_len: int, completion_length: int | None = None) -> dict:
+def causal_lm_batch(config, micro_batch_size: int, seq_len: int, settings: dict) -> dict:
     """Packed blocks, as the recipe passes them with --packing: no mask, so SDPA is causal."""
     ids = torch.randint(0, config.vocab_size, (micro_batch_size, seq_len))
     return {"input_ids": ids, "labels": ids}
 
 
-def preference_batch(config, micro_batch_size: int, seq_len: int, completion_length: int | None = None) -> dict:
+def preference_batch(config, micro_batch_size: int, seq_len: int, settings: dict) -> dict:
     """m pairs as chat_data.collate_pairs makes them: chosen and rejected ids, masks and labels, and each
     pair's index (where a precomputed reference log-prob is looked up); the recipe runs them as 2m rows."""
     ids = torch.randint(0, config.vocab_size, (micro_batch_size, seq_len))
@@ -62,45 +73,54 @@ def preference_batch(config, micro_batch_size: int, seq_len: int, completion_len
     return {**batch, "pair_index": torch.arange(micro_batch_size)}
 
 
-def grpo_batch(config, micro_batch_size: int, seq_len: int, completion_length: int | None = None) -> dict:
+def grpo_batch(config, micro_batch_size: int, seq_len: int, settings: dict) -> dict:
     """A completion batch (generation_round.completion_batch): prompt + completion columns, the last
     `completion_length` tokens scored; the advantages' values don't matter to memory."""
     batch = _token_batch(config, micro_batch_size, seq_len)
     batch["position_ids"] = torch.arange(seq_len).expand(micro_batch_size, -1)
-    batch["completion_ids"] = batch["input_ids"][:, -(completion_length or seq_len - 1) :]
+    batch["completion_ids"] = batch["input_ids"][:, -(settings.get("completion_length") or seq_len - 1) :]
     batch["completion_mask"] = torch.ones_like(batch["completion_ids"])
     batch["advantages"] = torch.ones(micro_batch_size)
     return batch
 
 
-def text_classification_batch(config, micro_batch_size: int, seq_len: int, completion_length: int | None = None):
+def text_classification_batch(config, micro_batch_size: int, seq_len: int, settings: dict):
     return {
         **_token_batch(config, micro_batch_size, seq_len),
         "labels": torch.zeros(micro_batch_size, dtype=torch.long),
     }
 
 
-def token_classification_batch(config, micro_batch_size: int, seq_len: int, completion_length: int | None = None):
+def token_classification_batch(config, micro_batch_size: int, seq_len: int, settings: dict):
     batch = _token_batch(config, micro_batch_size, seq_len)
     return {**batch, "labels": torch.zeros_like(batch["input_ids"])}
 
 
-def distillation_batch(config, micro_batch_size: int, seq_len: int, completion_length: int | None = None) -> dict:
+def distillation_batch(config, micro_batch_size: int, seq_len: int, settings: dict) -> dict:
     """A chat batch whose every token is an assistant token: the most a row can count."""
     batch = _token_batch(config, micro_batch_size, seq_len)
     return {**batch, "labels": batch["input_ids"]}
 
 
-def contrastive_batch(config, micro_batch_size: int, seq_len: int, completion_length: int | None = None) -> dict:
+def contrastive_batch(config, micro_batch_size: int, seq_len: int, settings: dict) -> dict:
     """recipes/contrastive_embedding.py's columns: an anchor and its positive per pair."""
     batch = _token_batch(config, micro_batch_size, seq_len)
     return {f"{c}_{k}": v for c in ("anchor", "positive") for k, v in batch.items()}
 
 
-def seq2seq_batch(config, micro_batch_size: int, seq_len: int, completion_length: int | None = None) -> dict:
+def seq2seq_batch(config, micro_batch_size: int, seq_len: int, settings: dict) -> dict:
     """The decoder sees as many tokens as the encoder; the recipe's collator shifts its inputs."""
     batch = _token_batch(config, micro_batch_size, seq_len)
     return {**batch, "labels": batch["input_ids"], "decoder_input_ids": batch["input_ids"]}
+
+
+def vision_language_batch(config, micro_batch_size: int, seq_len: int, settings: dict) -> dict:
+    """Rows opening with `images_per_sample` images of `image_size` px each (planner/vision_inputs.py)."""
+    from ft_accum.planner.vision_inputs import image_layout
+    from ft_accum.planner.vision_inputs import vision_language_batch as laid_out
+
+    layout = image_layout(config, settings.get("image_size"))
+    return laid_out(config, layout, micro_batch_size, seq_len, settings.get("images_per_sample", 1))
 
 
 def traced_output_loss(model, loss: str, shift: bool = True):
@@ -191,6 +211,37 @@ def _grpo_step(module, loss: str, settings: dict) -> Step:
     return lambda model, batch, reference: module.training_step(task_args, None, model, None, batch)[0]
 
 
+class _EveryRowHasImages:
+    """The vision recipe's `BlankVisionPass` where every micro-batch holds images: it has nothing to add."""
+
+    @staticmethod
+    def arm(batch) -> None:
+        return None
+
+
+def _vision_language_step(module, loss: str, settings: dict) -> Step:
+    """`training_step(model, batch, output_loss, vision_pass)`: the model's own forward, vision tower included."""
+    return lambda model, batch, reference: module.training_step(
+        model, batch, traced_output_loss(model, loss), _EveryRowHasImages
+    )
+
+
+def _vision_language_lora(model, targets: str, settings: dict) -> tuple[str, list[str]]:
+    """The recipe's LoRA: the language model's linear layers; the connector (and with
+    --train_vision_tower the tower) trained whole beside it (models/vision_language.py)."""
+    from ft_accum.models import vision_language
+
+    trained = vision_language.trained_parts(model, settings.get("train_vision_tower", False))
+    return vision_language.lora_targets(model, targets), trained
+
+
+def _freeze_vision_tower(model, settings: dict) -> None:
+    from ft_accum.models import vision_language
+
+    if not settings.get("train_vision_tower"):
+        vision_language.freeze_vision_tower(model)
+
+
 def _contrastive_step(module, loss: str, settings: dict) -> Step:
     """GradCache's replay (`embed`): the micro-batch's embeddings times their cached gradients."""
     return lambda model, batch, reference: sum((e * torch.ones_like(e)).sum() for e in module.embed(model, batch))
@@ -276,6 +327,18 @@ TASK_SPECS: dict[str, TaskSpec] = {
         settings=("student_layers",),
         frozen_teacher=True,
     ),
+    "vision_language": TaskSpec(
+        recipe="vision_language",
+        auto_model="AutoModelForImageTextToText",
+        sequence_flag="--max_seq_length",
+        sample="a conversation of seq_len tokens, its --images_per_sample images' tokens included",
+        example_batch=vision_language_batch,
+        traced_step=_vision_language_step,
+        settings=("image_size", "images_per_sample", "train_vision_tower"),
+        layout_constants=True,
+        lora_modules=_vision_language_lora,
+        freeze=_freeze_vision_tower,
+    ),
 }
 TASKS = tuple(TASK_SPECS)
 
@@ -304,11 +367,10 @@ def build_model(config, task: str, dtype: torch.dtype = torch.float32):
         ) from exc
 
 
-def example_batch(
-    config, task: str, micro_batch_size: int, seq_len: int, completion_length: int | None = None
-) -> dict[str, torch.Tensor]:
-    """A random micro-batch of `micro_batch_size` samples of `seq_len` tokens, as `task`'s recipe collates it."""
-    return task_spec(task).example_batch(config, micro_batch_size, seq_len, completion_length)
+def example_batch(config, task: str, micro_batch_size: int, seq_len: int, **settings) -> dict[str, torch.Tensor]:
+    """A random micro-batch of `micro_batch_size` samples of `seq_len` tokens, as `task`'s recipe collates it;
+    `settings` are the task's (`TaskSpec.settings`: completion_length, image_size, images_per_sample)."""
+    return task_spec(task).example_batch(config, micro_batch_size, seq_len, settings)
 
 
 def recipe_path(task: str, recipe: str | Path | None = None) -> Path:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from unittest import mock
@@ -193,6 +194,27 @@ def quantized_weights(model) -> list[torch.Tensor]:
     ]
 
 
+def fresh_deep_copies(fake_mode):
+    """peft's `modules_to_save` deep-copies a module (the vision connector); a fake tensor's own deep copy
+    makes it in a new FakeTensorMode, which torch refuses to mix with the trace's (and which corrupted
+    the heap at exit here). While patched, a tensor's or parameter's deep copy is a new empty one of its
+    shape, dtype and stride in `fake_mode`: fake tensors have no values to lose."""
+
+    def fresh(tensor, memo):
+        with fake_mode:
+            copied = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+        if isinstance(tensor, torch.nn.Parameter):
+            copied = torch.nn.Parameter(copied, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = copied
+        return copied
+
+    stack = contextlib.ExitStack()
+    if fake_mode is not None:
+        for cls in (torch.Tensor, torch.nn.Parameter):
+            stack.enter_context(mock.patch.object(cls, "__deepcopy__", fresh))
+    return stack
+
+
 def offload_hooks(tracker):
     """saved_tensors_hooks that move every saved activation the recipes offload (`low_memory.offloads`) to
     host memory: its GPU bytes are freed when the forward drops it, counted in `tracker.host_peak`,
@@ -217,6 +239,82 @@ def offload_hooks(tracker):
         return torch.empty_strided(shape, stride, dtype=dtype)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+# Integer tensors up to this many elements are kept as constants under `layout_constants`: an image grid,
+# a placeholder mask, position ids (2^22: a mask of 4M tokens, 4 MiB as bool).
+LAYOUT_CONSTANT_ELEMENTS = 1 << 22
+
+
+@contextlib.contextmanager
+def layout_constants(fake_mode):
+    """Trace a model whose layout code reads the batch's values, with that layout computed for real.
+
+    Vision-language models pick their image rows (`nonzero` on a mask), loop over image grids
+    (`.tolist()`), and build position ids from both: data-dependent shapes, which fake tensors refuse.
+    Here the batch is made of real tensors held as FakeTensorMode *constants*, every integer or bool
+    tensor created without tensor inputs (`arange`, `ones`, `tensor`) is computed for real and held as
+    one too, and PyTorch's own constant propagation (fake_tensor.CONSTANT_NUMEL_LIMIT, raised here from 1
+    element) computes every op whose inputs are all constants for real: the layout is exact, while
+    anything touching a fake weight or activation stays fake. Yields `batch_of(build)`: `build()` on
+    real tensors, returned as constants. With no `fake_mode` (other tasks, or real tensors) it does
+    nothing: `batch_of(build)` is `build()`."""
+    if fake_mode is None:
+        yield lambda build: build()
+        return
+    from torch._subclasses import fake_tensor
+    from torch.utils._pytree import tree_flatten, tree_map_only
+
+    _, TorchDispatchMode = torch_internals()
+    converter = fake_mode.fake_tensor_converter
+
+    def constant(tensor: torch.Tensor) -> torch.Tensor:
+        return converter.from_real_tensor(fake_mode, tensor, make_constant=True)
+
+    class IndexConstants(TorchDispatchMode):
+        building = False  # while `batch_of` builds the batch: every tensor real
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            made_here = not any(isinstance(a, torch.Tensor) for a in tree_flatten((args, kwargs))[0])
+            if (
+                made_here
+                and not self.building
+                and isinstance(out, torch.Tensor)
+                and _is_index(out, fake_tensor.CONSTANT_NUMEL_LIMIT)
+            ):
+                with fake_tensor.unset_fake_temporarily():
+                    return constant(func(*args, **kwargs))
+            return out
+
+    def python_scalars(data):
+        """torch.tensor([t0, t1]) of 0-d tensors reads their storage, which a fake has none of: their values."""
+        return tree_map_only(fake_tensor.FakeTensor, lambda t: t.item() if t.dim() == 0 else t, data)
+
+    make_tensor = torch.tensor
+
+    index_constants = IndexConstants()
+
+    def batch_of(build):
+        index_constants.building = True
+        with fake_tensor.unset_fake_temporarily():
+            batch = build()
+        index_constants.building = False
+        largest = max(t.numel() for t in batch.values())
+        fake_tensor.CONSTANT_NUMEL_LIMIT = max(LAYOUT_CONSTANT_ELEMENTS, largest)
+        return {k: constant(v) for k, v in batch.items()}
+
+    with (
+        mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", LAYOUT_CONSTANT_ELEMENTS),
+        mock.patch.object(torch, "tensor", lambda data, *a, **k: make_tensor(python_scalars(data), *a, **k)),
+        index_constants,
+    ):
+        yield batch_of
+
+
+def _is_index(tensor: torch.Tensor, limit: int) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex()) and tensor.numel() <= limit
 
 
 def trace_step(config, **settings) -> MemoryEstimate:
@@ -248,6 +346,9 @@ def trace_micro_batches(
     precompute_ref_log_probs: bool = False,
     completion_length: int | None = None,
     student_layers: int | None = None,
+    image_size: int | None = None,
+    images_per_sample: int = 1,
+    train_vision_tower: bool = False,
     recipe: str | Path | None = None,
     real_tensors: bool = False,
     accounting: dict | None = None,
@@ -284,6 +385,11 @@ def trace_micro_batches(
     `task="distillation"`: `config` is the teacher's; the student of `student_layers` of its layers (default
     half, `layer_selection.student_config`) trains, and the frozen teacher, in the compute dtype, runs its
     forward beside it (counted with the parameters); every token of a row is an assistant token.
+
+    `task="vision_language"`: each row opens with `images_per_sample` images of `image_size` px
+    (planner/vision_inputs.py), run through the model's own forward, vision tower included, with the
+    batch's layout traced as constants (`layout_constants`); LoRA and freezing as the recipe sets them
+    (the tower frozen unless `train_vision_tower`, the connector trained whole).
     """
     FakeTensorMode, _ = torch_internals()
     if precision not in PRECISIONS:
@@ -300,9 +406,12 @@ def trace_micro_batches(
         )
     spec = task_spec(task)
     step = recipe_step(task, recipe, loss_path, {"preference_loss": preference_loss})
+    task_settings = dict(completion_length=completion_length, image_size=image_size,
+                         images_per_sample=images_per_sample, train_vision_tower=train_vision_tower)  # fmt: skip
     torch.manual_seed(0)
     config = copy.deepcopy(config)  # the model shares it, and checkpointing sets use_cache on it below
-    with contextlib.nullcontext() if real_tensors else FakeTensorMode():
+    fake_mode = None if real_tensors else FakeTensorMode()
+    with fake_mode or contextlib.nullcontext():
         trained_config = student_config(config, student_layers) if spec.frozen_teacher else config
         model = build_model(trained_config, task, weight_dtype(precision, lora_r, load_in_4bit))
         if gradient_checkpointing:
@@ -310,21 +419,27 @@ def trace_micro_batches(
                 model.config.use_cache = False
             enable_gradient_checkpointing(model)
         if lora_r:
-            from ft_accum.models.lora import import_peft, parse_target_modules
+            from ft_accum.models.lora import import_peft
 
             peft = import_peft()
+            target_modules, modules_to_save = spec.lora_modules(model, lora_target_modules, task_settings)
             # peft moves each new adapter to its base layer's device and dtype with Module.to(), which
             # fake parameters refuse (torch swaps them, and the fake mode holds weakrefs to them).
             # The adapters are created on that same (fake) device, in fp32 as peft keeps them.
-            with mock.patch.object(torch.nn.Module, "to", lambda module, *args, **kwargs: module):
+            with (
+                mock.patch.object(torch.nn.Module, "to", lambda module, *args, **kwargs: module),
+                fresh_deep_copies(fake_mode),
+            ):
                 model = peft.get_peft_model(
                     model,
                     peft.LoraConfig(
-                        r=lora_r, lora_alpha=2 * lora_r, target_modules=parse_target_modules(lora_target_modules)
+                        r=lora_r, lora_alpha=2 * lora_r, target_modules=target_modules, modules_to_save=modules_to_save
                     ),
                 )
             if gradient_checkpointing:
                 model.enable_input_require_grads()
+        else:
+            spec.freeze(model, task_settings)
         if load_in_4bit and precision not in ("bf16", "bf16-mixed"):
             # low_memory.prepare_4bit_model: peft's fp32 cast of the frozen unquantized weights stays
             # (fp16, fp32); under bf16 everything unquantized is bf16, as the model is built here.
@@ -361,47 +476,53 @@ def trace_micro_batches(
         dequantized = max((w.numel() * 2 for w in quantized), default=0)
         results = {}
         for micro_batch_size in micro_batch_sizes:
-            batch = example_batch(config, task, micro_batch_size, seq_len, completion_length)
-            tracker = _live_bytes_mode()
-            for tensor in [p for m in (model, *copies) for p in (*m.parameters(), *m.buffers())]:
-                tracker.add(tensor, static=True)
-            parameter_bytes = tracker.static
-            for value in (v for state in opt.state.values() for v in state.values()):
-                if isinstance(value, torch.Tensor):
-                    tracker.add(value, static=True)
-            state_bytes = tracker.static - parameter_bytes
-            kernels = (
-                mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", fused_attention)
-                if attention == "fused"
-                else contextlib.nullcontext()
-            )
-            offload = offload_hooks(tracker) if offload_activations else contextlib.nullcontext()
-            with tracker, kernels:  # backward too: checkpointing recomputes attention there
-                with autocast, offload:
-                    loss = step(model, batch, reference)
-                loss.float().backward()
-                del loss
-                if accounting is not None:
-                    accounting.update(
-                        live=tracker.live,
-                        parameters=parameter_bytes,
-                        optimizer_state=state_bytes,
-                        gradients=sum(p.grad.untyped_storage().nbytes() for p in trainable if p.grad is not None),
+            # The layout's integers stay real (constants) while the step runs; a no-op for other tasks.
+            with layout_constants(fake_mode if spec.layout_constants else None) as batch_of:
+                batch = batch_of(
+                    functools.partial(example_batch, config, task, micro_batch_size, seq_len, **task_settings)
+                )
+                tracker = _live_bytes_mode()
+                for tensor in [p for m in (model, *copies) for p in (*m.parameters(), *m.buffers())]:
+                    tracker.add(tensor, static=True)
+                parameter_bytes = tracker.static
+                for value in (v for state in opt.state.values() for v in state.values()):
+                    if isinstance(value, torch.Tensor):
+                        tracker.add(value, static=True)
+                state_bytes = tracker.static - parameter_bytes
+                kernels = (
+                    mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", fused_attention)
+                    if attention == "fused"
+                    else contextlib.nullcontext()
+                )
+                offload = offload_hooks(tracker) if offload_activations else contextlib.nullcontext()
+                with tracker, kernels:  # backward too: checkpointing recomputes attention there
+                    with autocast, offload:
+                        loss = step(model, batch, reference)
+                    loss.float().backward()
+                    del loss
+                    if accounting is not None:
+                        accounting.update(
+                            live=tracker.live,
+                            parameters=parameter_bytes,
+                            optimizer_state=state_bytes,
+                            gradients=sum(p.grad.untyped_storage().nbytes() for p in trainable if p.grad is not None),
+                        )
+                    backward_peak, backward_static = tracker.peak, tracker.static_at_peak
+                    tracker.peak = 0  # the next allocation starts the optimizer step's own peak
+                    opt.step()
+                    step_peak, step_static = (
+                        (tracker.peak, tracker.static_at_peak) if tracker.peak else (tracker.live, tracker.static)
                     )
-                backward_peak, backward_static = tracker.peak, tracker.static_at_peak
-                tracker.peak = 0  # the next allocation starts the optimizer step's own peak
-                opt.step()
-                step_peak, step_static = (
-                    (tracker.peak, tracker.static_at_peak) if tracker.peak else (tracker.live, tracker.static)
+                    opt.zero_grad(set_to_none=True)
+                results[micro_batch_size] = tuple(
+                    MemoryEstimate(
+                        parameters=parameter_bytes - quantization_saving,
+                        optimizer_state=static - parameter_bytes + extra_state,
+                        activations_gradients_temporaries=peak - static + (dequantized if phase == 0 else 0),
+                        host_offloaded=getattr(tracker, "host_peak", 0.0),
+                    )
+                    for phase, (peak, static) in enumerate(
+                        ((backward_peak, backward_static), (step_peak, step_static))
+                    )
                 )
-                opt.zero_grad(set_to_none=True)
-            results[micro_batch_size] = tuple(
-                MemoryEstimate(
-                    parameters=parameter_bytes - quantization_saving,
-                    optimizer_state=static - parameter_bytes + extra_state,
-                    activations_gradients_temporaries=peak - static + (dequantized if phase == 0 else 0),
-                    host_offloaded=getattr(tracker, "host_peak", 0.0),
-                )
-                for phase, (peak, static) in enumerate(((backward_peak, backward_static), (step_peak, step_static)))
-            )
     return results
