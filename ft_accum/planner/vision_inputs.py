@@ -64,12 +64,6 @@ def image_layout(config, image_size: int | None = None) -> ImageLayout:
                 f"--image_size must be a multiple of {unit} px for {model_type} (patch × merge), got {size}"
             )
         tokens = (size // vision.patch_size) ** 2 // vision.spatial_merge_size**2
-    elif model_type == "gemma3":
-        if size != vision.image_size:
-            raise ConfigError(
-                f"gemma3 takes images of {vision.image_size} px (its pan-and-scan crops too), got {size}"
-            )
-        tokens = config.mm_tokens_per_image
     else:
         if size != vision.image_size:
             raise ConfigError(
