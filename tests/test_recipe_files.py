@@ -12,6 +12,7 @@ from transformers import BertConfig
 
 from ft_accum.cli.main import main as ft_accum
 from ft_accum.core.errors import ConfigError
+from ft_accum.planner.task_specs import TASKS
 from ft_accum.training import recipe_files
 
 
@@ -88,7 +89,7 @@ def test_a_plain_install_lists_copies_plans_and_runs_the_recipes_from_anywhere(t
     assert (work / "out" / "final" / "model.safetensors").is_file()
     found = run(sys.executable, "-c", "from ft_accum.planner import task_specs\n"
                 "for task in task_specs.TASKS: print(task_specs.recipe_path(task))")  # fmt: skip
-    assert all(line.startswith(str(site)) for line in found.splitlines()) and len(found.splitlines()) == 8
+    assert all(line.startswith(str(site)) for line in found.splitlines()) and len(found.splitlines()) == len(TASKS)
     # The plan traces the installed copy of the recipe's step; a 2-layer BERT keeps the trace short.
     tiny_bert = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
     (work / "bert.json").write_text(tiny_bert.to_json_string())

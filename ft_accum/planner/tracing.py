@@ -170,6 +170,30 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return output
 
 
+PACKED_ATTENTION = "flash_packed_trace"  # "flash" in the name takes the towers' cu_seqlens path
+
+
+def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """A transformers attention function standing in for flash-attention's variable-length kernel in a
+    vision tower: Qwen2-VL/2.5-VL pack every image (and window) of a micro-batch into one sequence cut by
+    `cu_seqlens`, where CUDA's varlen kernel saves q, k, v, the output and an O(T) log-sum-exp for the
+    whole pack: `fused_attention` over the pack, byte for byte. One call per block, where the SDPA path
+    splits into a call per window (hundreds per image, each traced: minutes for a 3B model's plan).
+    The towers traced here hold whole images only, so no mask is lost."""
+    output = fused_attention(query, key, value, scale=scaling)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def pack_vision_attention(model) -> None:
+    """Run `model`'s vision tower through `packed_attention` (registered with transformers once)."""
+    from transformers import AttentionInterface
+
+    vision = getattr(model.config, "vision_config", None)
+    if vision is not None:
+        AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+        vision._attn_implementation = PACKED_ATTENTION
+
+
 LOSS_PATHS = ("chunked", "logits", "model")
 
 
@@ -414,6 +438,8 @@ def trace_micro_batches(
     with fake_mode or contextlib.nullcontext():
         trained_config = student_config(config, student_layers) if spec.frozen_teacher else config
         model = build_model(trained_config, task, weight_dtype(precision, lora_r, load_in_4bit))
+        if spec.layout_constants and attention == "fused":
+            pack_vision_attention(model)
         if gradient_checkpointing:
             if hasattr(model.config, "use_cache"):
                 model.config.use_cache = False
