@@ -44,13 +44,24 @@ def test_a_config_runs_the_engine_it_names_or_is_refused_naming_it(
     config = yaml.safe_load((ROOT / "accelerate_configs" / config_name).read_text()) | {"mixed_precision": "no"}
     path = tmp_path / config_name
     path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path), "--main_process_port",
+    # The FSDP case goes through ft-accum launch: 2 processes refuse, one line in all, no torchrun report
+    # after it; the DDP case through plain accelerate launch, which prints it once per process.
+    launcher = (
+        ["ft-accum", "launch"] if config_name == "fsdp.yaml" else [sys.executable, "-m", "accelerate.commands.launch"]
+    )
+    command = [*launcher, "--config_file", str(path), "--main_process_port",
                str(free_port()), str(RECIPES / "text_classification.py"),
                *tiny_args(tiny_model_dir, data_files, tmp_path / "out", max_train_steps=1)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"} | ({"ACCELERATE_USE_CPU": "true"} if cpu else {})
     result = run_with_stack_dump(command, env, timeout=300, cwd=ROOT)
     output = result.stderr + result.stdout
     assert result.returncode != 0 and f"error: {expected}" in output, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    if launcher[0] == "ft-accum":
+        assert errors == [f"error: {expected}" + errors[0].split(expected, 1)[1]], output[-3000:]
+        assert "torch.distributed.elastic" not in output and "ChildFailedError" not in output, output[-3000:]
+    else:
+        assert len(errors) == 2, output[-3000:]
     # An error through the launcher is the recipe's one line: accelerate launch adds its own
     # CalledProcessError traceback, the recipe none (tests/test_bad_inputs.py has the others in-process).
     assert 'text_classification.py", line' not in result.stderr

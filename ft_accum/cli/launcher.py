@@ -13,6 +13,11 @@ Accelerate 1.15's launcher lacks (docs/reliability.md has the measurements):
   `GRACE_SECONDS` unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT is set.
 - **It exits as the recipe did**: 143 after a SIGTERM stop, 130 after Ctrl-C, the recipe's own
   code after an error, without the traceback Accelerate prints for any non-zero exit.
+- **One error line for several processes.** Each process that refuses its input writes its `error:`
+  line to a folder (errors.ERROR_DIR_ENV) instead of stderr, and torchrun's own failure report is
+  silenced: the launcher prints each distinct line once, or, for a process that died without one
+  (a crash, a signal; its traceback is above), one line naming it and its exit code. Plain
+  `accelerate launch` prints the line once per process, then torchrun's report.
 - **It records the command.** The exact command line, with the environment settings that change
   what it runs (ACCELERATE_USE_CPU, ...), is handed to the recipe (`LAUNCH_COMMAND_ENV`), which
   writes it to its output folder at the start and prints it as the resume command at a stop.
@@ -22,10 +27,14 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
+from ft_accum.core.errors import ERROR_DIR_ENV
 from ft_accum.training.graceful_stop import LAUNCH_COMMAND_ENV, LAUNCH_ENV_SETTINGS
 
 GRACE_SECONDS = 600
@@ -71,6 +80,8 @@ def launch(argv: list[str]) -> int:
 
     args = launch_command_parser().parse_args(argv)
     os.environ[LAUNCH_COMMAND_ENV] = command_line(argv)
+    error_dir = os.environ[ERROR_DIR_ENV] = tempfile.mkdtemp(prefix="ft-accum-errors-")
+    quiet_torchrun_reports()
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(GRACE_SECONDS))
     forwarder = _Forwarder()
     # torchrun's agent replaces these with its own (which forward and wait) when it starts.
@@ -82,9 +93,33 @@ def launch(argv: list[str]) -> int:
         return exit_code(exc.returncode)
     except SignalException as exc:  # torchrun's agent, after its workers exited or its grace period ended
         return 128 + int(exc.sigval)
-    except ChildFailedError as exc:  # a worker failed on its own; it printed its error
-        return exit_code(exc.get_first_failure()[1].exitcode)
+    except ChildFailedError as exc:  # a worker failed on its own
+        rank, failure = exc.get_first_failure()
+        print_errors_once(error_dir, rank, exit_code(failure.exitcode))
+        return exit_code(failure.exitcode)
+    finally:
+        shutil.rmtree(error_dir, ignore_errors=True)
     return 128 + forwarder.signal if forwarder.signal else 0
+
+
+def quiet_torchrun_reports() -> None:
+    """torchrun's agent logs each failed worker and the signals it sends the others (W/E lines after the
+    worker's own error); under this launcher `print_errors_once` reports instead."""
+    import logging
+
+    import torch.distributed.run  # noqa: F401  (creates the agent's loggers, each with its own level)
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def print_errors_once(error_dir: str, rank: int, code: int) -> None:
+    """Each distinct `error:` line the processes left in `error_dir`, once; or, where none did (a crash
+    or a signal), one line naming the first failed process."""
+    messages = sorted({p.read_text() for p in Path(error_dir).glob("rank-*")})
+    for message in messages or [f"error: process {rank} exited with code {code}; its output above says why"]:
+        print(message, file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,13 @@ place that turns it (and the other errors a user's input can cause) into that li
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+from pathlib import Path
+
+# Set by `ft-accum launch` when it starts several processes: a folder where each process's `error:` line
+# goes instead of its stderr, for the launcher to print once (cli/launcher.py).
+ERROR_DIR_ENV = "FT_ACCUM_ERROR_DIR"
 
 
 class ConfigError(ValueError):
@@ -20,13 +26,15 @@ def one_line_errors():
         yield
     except ConfigError as exc:
         _close_progress_bars()
-        raise SystemExit(f"error: {exc}") from None
+        leave(f"error: {exc}")
     except OSError as exc:
         _close_progress_bars()
         where = f" ({exc.filename})" if exc.filename else ""
-        raise SystemExit(
-            f"error: {exc.strerror or exc}{where}; check the path and its permissions or free space"
-        ) from None
+        leave(f"error: {exc.strerror or exc}{where}; check the path and its permissions or free space")
+    except SystemExit as exc:  # the argument parser's own one line
+        if isinstance(exc.code, str) and exc.code.startswith("error:"):
+            leave(exc.code)
+        raise
     except KeyboardInterrupt:
         _close_progress_bars()
         print(
@@ -34,6 +42,17 @@ def one_line_errors():
             file=sys.stderr,
         )
         raise SystemExit(130) from None
+
+
+def leave(message: str) -> None:
+    """Exit 1 with `message` on stderr; under `ft-accum launch` with several processes (ERROR_DIR_ENV and
+    torchrun's WORLD_SIZE > 1) the message goes to the launcher's folder instead, which prints each
+    distinct message once, so that N processes refusing the same input make one line, not N."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        Path(folder, f"rank-{os.environ.get('RANK', '0')}").write_text(message)
+        raise SystemExit(1) from None
+    raise SystemExit(message) from None
 
 
 _progress_bars: list = []
