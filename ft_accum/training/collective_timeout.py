@@ -55,10 +55,15 @@ POSITION = RunPosition()
 
 
 def process_group_kwargs(timeout_seconds: float):
-    """Accelerate's handler that gives the process group its collective timeout."""
+    """Accelerate's handler that gives the process group its collective timeout (and, after a torchrun
+    restart, a rendezvous of its own attempt: training/elastic_restart.py)."""
     from accelerate.utils import InitProcessGroupKwargs
 
-    return InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_seconds))
+    from ft_accum.training import elastic_restart
+
+    return InitProcessGroupKwargs(
+        timeout=datetime.timedelta(seconds=timeout_seconds), init_method=elastic_restart.init_method()
+    )
 
 
 def start_run(timeout_seconds: float, process_index: int, num_processes: int) -> None:
