@@ -1,11 +1,13 @@
 """Fault injection through the real `accelerate launch`: SIGKILL, a corrupted checkpoint, a failing disk.
 
 The claim under test: a run killed at any moment and resumed with `--resume_from_checkpoint latest`
+(or, for one worker of 2 killed under torchrun's `--max_restarts`, restarted and resumed by itself)
 ends with final weights *bit-identical* (max abs difference 0.0) to an uninterrupted run with the
 same seed, on CPU, for 1 and 2 processes; and `metrics.jsonl` then holds every update exactly once.
 """
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -26,7 +28,6 @@ from conftest import (
     max_abs_difference,
     read_metrics,
     run_in_process,
-    runs_script,
     tiny_args,
     write_jsonl,
 )
@@ -172,29 +173,42 @@ def test_three_seeded_kills_then_resume_is_bit_identical(tmp_path, dropout_model
     assert max_abs_difference(final_weights(out), final_weights(uninterrupted)) == 0.0
 
 
-def test_two_processes_killed_and_resumed_match_an_uninterrupted_two_process_run(tmp_path, dropout_model_dir, data):
+def test_a_worker_killed_under_max_restarts_resumes_by_itself_and_matches_an_uninterrupted_two_process_run(
+    tmp_path, dropout_model_dir, data
+):
+    """One of 2 workers SIGKILLed after update 30 under `ft-accum launch --max_restarts 1`: torchrun stops
+    the other and restarts both, which rendezvous again (training/elastic_restart.py) and resume by
+    themselves (`--resume_from_checkpoint auto`) from the last complete checkpoint."""
     settings = {**COMMON, "per_device_train_batch_size": 1}  # 1 × 2 accumulation × 2 processes: the same 4 per update
     out, whole = tmp_path / "run", tmp_path / "whole"
-    process = start(tiny_args(dropout_model_dir, data, out, **settings), num_processes=2)
-    kill_when(process, lambda: completed_updates(out) >= 30, "update 30", delay=random.Random(7).uniform(0, 0.05))
-    assert not (out / "final").exists()
-    # The resume, then the uninterrupted run it must equal, in one launch of the same 2 processes
-    # (runs_script: they import everything once); the resume runs first, in fresh processes.
-    runs = [
-        ("text_classification", tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="latest", **settings)),
-        # Uninterrupted, and with no checkpoints: writing them must not change the run either.
-        (
-            "text_classification",
-            tiny_args(dropout_model_dir, data, whole, **{**settings, "checkpointing_steps": None}),
-        ),
-    ]
-    result = launch("text_classification", [], num_processes=2, script=runs_script(runs, tmp_path))
-    assert "1 micro × 2 accumulation × 2 processes = 4 samples per update" in result.stdout, "not 2 real processes"
-    resumed_at = int(result.stdout.split(" at update ")[1].split()[0])
-    assert resumed_at < TOTAL_UPDATES, "nothing was left to resume"
-
+    args = tiny_args(dropout_model_dir, data, out, resume_from_checkpoint="auto", **settings)
+    cmd, env = launch_command("text_classification", args, num_processes=2, launcher="ft-accum")
+    cmd[2:2] = ["--max_restarts", "1"]  # after `ft-accum launch`
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while completed_updates(out) < 30:
+        assert process.poll() is None, f"the run ended before update 30:\n{process.stderr.read()[-3000:]}"
+        time.sleep(0.001)
+    time.sleep(random.Random(7).uniform(0, 0.05))
+    workers = [p for p in process_tree(process.pid) if p != process.pid and "text_classification.py" in _command(p)]
+    assert len(workers) == 2, workers
+    os.kill(max(workers), signal.SIGKILL)
+    assert process.wait(timeout=300) == 0, process.stderr.read()[-3000:]
+    results = json.loads((out / "all_results.json").read_text())
+    assert (results["torchelastic_restart_count"], results["num_processes"]) == (1, 2), results
     assert [m["step"] for m in read_metrics(out)] == list(range(1, TOTAL_UPDATES + 1))
+
+    # Uninterrupted, and with no checkpoints: writing them must not change the run either.
+    uninterrupted = tiny_args(dropout_model_dir, data, whole, **{**settings, "checkpointing_steps": None})
+    result = launch("text_classification", uninterrupted, num_processes=2)
+    assert "1 micro × 2 accumulation × 2 processes = 4 samples per update" in result.stdout, "not 2 real processes"
     assert max_abs_difference(final_weights(out), final_weights(whole)) == 0.0
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
 
 
 def test_a_failed_checkpoint_write_stops_with_a_clear_error_and_keeps_the_previous_one(
