@@ -72,6 +72,12 @@ def test_a_stuck_collective_is_one_line_with_the_phase_update_checkpoint_and_res
         "a process stopped joining collective operations (after update 6, in eval): process 1 of 2"
     )
     assert "waited 5 s (--ddp_timeout)" in message and "out/step_000006; resume with: accelerate launch x" in message
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.7]:21937")
+    with pytest.raises(ConfigError) as error:
+        with collective_timeout.collective_failures():
+            raise lost
+    assert "process 1 of 2 lost its connection to the process on 10.0.0.7, which stopped" in str(error.value)
+    assert "FSDP" not in str(error.value)  # a lost machine is not a skipped model call
     with pytest.raises(ValueError, match="not a collective"):  # any other error passes through unchanged
         with collective_timeout.collective_failures():
             raise ValueError("not a collective")

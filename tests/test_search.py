@@ -3,7 +3,6 @@
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -129,56 +128,6 @@ def test_a_search_prunes_a_bad_trial_at_a_checkpoint_that_resumes(tmp_path, tiny
     recipe_flags = resume[resume.index(str(ROOT / "recipes" / "text_classification.py")) + 1 :]
     run_in_process("text_classification", [f for f in recipe_flags if f != "--config=none"])
     assert (pruned_dir / "all_results.json").exists() and len(read_metrics(pruned_dir)) == 12
-
-
-@pytest.mark.launch
-def test_a_search_killed_mid_trial_resumes_that_trial_and_ends_at_n_trials(tmp_path, tiny_model_dir, data_files):
-    """kill -9 of the sweep alone, during its trial. The run, signalled by the kernel as its parent dies,
-    stops at a checkpoint; the same command again takes the trial up from it with its parameters: 1
-    trial in all, none run twice, none lost."""
-    path = write_search(
-        tmp_path, tiny_model_dir, data_files,
-        base={"checkpointing_steps": 1, "per_device_train_batch_size": 2, "num_train_epochs": 1},
-        n_trials=1, pruner="none",
-    )  # fmt: skip
-    out = tmp_path / "search_out"
-    process = subprocess.Popen(sweep_command(path), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while not (out / "trial_0000" / "checkpoints" / "step_000003").exists():
-        assert process.poll() is None and time.time() < deadline, "the search ended before its trial was interrupted"
-        time.sleep(0.01)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    params_before = {t.number: t.params for t in load_study(tmp_path).get_trials()}
-    assert sorted(params_before) == [0]
-
-    result = subprocess.run(sweep_command(path), capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    trials = load_study(tmp_path).get_trials()
-    assert [t.state.name for t in trials] == ["COMPLETE"]
-    assert {t.number: t.params for t in trials} == params_before  # the trial kept its parameters
-    assert "trial_0000 (taken up, resuming)" in result.stdout
-    log = (out / "trial_0000" / "log.txt").read_text()
-    assert "stopped by SIGTERM" in log and "Resumed from" in log and launches(out / "trial_0000") == 2
-    assert len(read_metrics(out / "trial_0000")) == 12  # every update once
-
-
-@pytest.mark.launch
-def test_three_workers_share_one_study_without_running_a_trial_twice(tmp_path, tiny_model_dir, data_files):
-    path = write_search(
-        tmp_path, tiny_model_dir, data_files, base={"num_train_epochs": 1}, n_trials=2, pruner="none", seed=None
-    )
-    workers = [
-        subprocess.Popen(sweep_command(path, "--worker"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(3)
-    ]  # fmt: skip
-    outputs = [w.communicate(timeout=900)[0] for w in workers]
-    assert [w.returncode for w in workers] == [0, 0, 0], outputs
-    trials = load_study(tmp_path).get_trials()
-    assert [t.state.name for t in trials] == ["COMPLETE"] * 2  # the third worker found nothing left to ask
-    assert all(launches(tmp_path / "search_out" / f"trial_{n:04d}") == 1 for n in range(2))
-    started = [line.split("]")[0] for output in outputs for line in output.splitlines() if line.startswith("[trial")]
-    assert sorted(started) == [f"[trial {n}/2" for n in range(1, 3)], outputs  # each trial started by one worker
 
 
 def test_a_metric_the_recipe_never_logs_is_caught_at_the_first_evaluation(tmp_path):

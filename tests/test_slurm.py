@@ -4,9 +4,12 @@ of a 2-machine DDP group on CPU; the same without SLURM; a job requeued by `scon
 one preempted by a higher partition resume by themselves (`--resume_from_checkpoint auto`) and end
 bit-identical to the uninterrupted job, every update logged once."""
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import time
 
@@ -15,6 +18,7 @@ import torch
 import yaml
 from conftest import FAULT_HOOKS, ROOT, free_port, make_rows, read_metrics, tiny_args, write_jsonl
 
+from ft_accum.cli.launching import process_tree
 from ft_accum.testing import final_weights, make_tiny_bert, relative_error, run_in_process
 from ft_accum.testing.slurm_cluster import SlurmCluster
 
@@ -69,25 +73,55 @@ def log_of(out) -> str:
     return "".join(p.read_bytes()[-4000:].decode(errors="replace") for p in out.parent.glob(f"{out.name}-*.log"))
 
 
-@pytest.fixture(scope="module")
-def two_machines(setup, tmp_path_factory):
-    """Two `ft-accum launch --num_machines 2 --machine_rank r` on 127.0.0.1, without SLURM: one 2-process
-    group. Its output is the uninterrupted run the SLURM job must end at."""
-    root, out, port = setup[0], tmp_path_factory.mktemp("two") / "run", free_port()
-    launches = [
-        subprocess.Popen(["ft-accum", "launch", "--config_file", str(root / "accelerate.yaml"), "--machine_rank",
-                          str(rank), "--main_process_port", str(port), "recipes/text_classification.py",
-                          *machine_args(setup), f"--output_dir={out}"],
-                         cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def launch_machines(setup, out, port: int, log: str) -> list[subprocess.Popen]:
+    """Two `ft-accum launch --num_machines 2 --machine_rank r` on 127.0.0.1, each in a session of its own
+    (a machine), writing its output to `out`-`log`-r.log; checkpoints after every update, resumed by
+    themselves (--resume_from_checkpoint auto)."""
+    flags = [*machine_args(setup), "--checkpointing_steps=1", "--resume_from_checkpoint=auto", "--ddp_timeout=60"]
+    return [
+        subprocess.Popen(["ft-accum", "launch", "--config_file", str(setup[0] / "accelerate.yaml"), "--machine_rank",
+                          str(rank), "--main_process_port", str(port), "recipes/text_classification.py", *flags,
+                          f"--output_dir={out}"], cwd=ROOT, env=launch_env(FT_ACCUM_SLOW_UPDATE_SECONDS="0.2"),
+                         stdout=open(f"{out}-{log}-{rank}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
         for rank in (0, 1)
     ]  # fmt: skip
-    outputs = [launch.communicate(timeout=300)[0] for launch in launches]
-    assert [launch.returncode for launch in launches] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+
+
+@pytest.fixture(scope="module")
+def two_machines(setup, tmp_path_factory):
+    """Two machines without SLURM, one 2-process group, and a lost machine: machine 1 (its launcher, torchrun's
+    agent and its worker) is SIGKILLed after update 5; machine 0 stops at once with one line naming the lost machine
+    (no hang, no torchrun report); both launched again resume from the last complete checkpoint and
+    finish. Its output is the run the SLURM job must end at (a resumed run is bit-identical to an
+    uninterrupted one: tests/test_fault_injection.py)."""
+    out, port = tmp_path_factory.mktemp("two") / "run", free_port()
+    first = launch_machines(setup, out, port, "lost")
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").is_file() or (out / "metrics.jsonl").read_text().count("\n") < 5:
+        assert time.monotonic() < deadline and first[0].poll() is None, log_of(out)
+        time.sleep(0.05)
+    for pid in process_tree(first[1].pid):  # the machine going down: launcher, agent and worker (its own session)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    assert first[0].wait(timeout=120) == 1 and time.monotonic() - started < 60, log_of(out)
+    first[1].wait()
+    output = (out.parent / f"{out.name}-lost-0.log").read_text()
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(
+        r"lost its connection to (the process on 127\.0\.0\.1|process 1)\b", errors[0]
+    )
+    assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
+    assert not (out / "final").exists()
+    again = launch_machines(setup, out, free_port(), "again")
+    assert [launch.wait(timeout=300) for launch in again] == [0, 0], log_of(out)
+    assert "Resumed from" in (out.parent / f"{out.name}-again-0.log").read_text()
     return out
 
 
 def test_two_machines_match_one_process(setup, two_machines):
     assert json.loads((two_machines / "all_results.json").read_text())["num_processes"] == 2
+    assert [r["step"] for r in read_metrics(two_machines)] == list(range(1, 21))  # each update once
     assert [r["samples_seen"] for r in read_metrics(two_machines)][-1] == 2 * 37
     assert relative_error(final_weights(two_machines), final_weights(setup[0] / "one")) <= 1e-5
 
@@ -141,3 +175,50 @@ def test_resume_auto_starts_afresh_or_resumes(setup, tmp_path):
     shutil.rmtree(tmp_path / "run" / "final")
     run_in_process("text_classification", [*args, "--resume_from_checkpoint=auto"])
     assert all(torch.equal(first[k], v) for k, v in final_weights(tmp_path / "run").items())
+
+
+def test_the_shipped_search_script_as_a_slurm_array_runs_each_trial_once(slurm, setup, tmp_path):
+    """examples/slurm_search.sbatch as an array of 2 workers on one study of 2 trials. Task 1's sweep is
+    killed mid-trial (scancel --batch --signal=KILL: kill -9 of the sweep alone); its run, signalled by
+    the kernel as its parent dies, stops at a checkpoint, and the trial stays RUNNING for the other
+    worker (its owner's process is gone) or the array submitted again to take up from that checkpoint:
+    both trials COMPLETE, one of them resumed with its parameters, none started afresh twice, every
+    update logged once."""
+    from test_search import launches, load_study, write_search
+
+    root, model, data = setup
+    path = write_search(tmp_path, model, data, base={"checkpointing_steps": 1, "per_device_train_batch_size": 2,
+                        "num_train_epochs": 1}, n_trials=2, pruner="none", seed=None)  # fmt: skip
+    out = tmp_path / "search_out"
+    env = launch_env(SWEEP_FILE=str(path), FT_ACCUM_SLOW_UPDATE_SECONDS="0.3")
+
+    def submit() -> int:
+        return slurm.submit(ROOT / "examples" / "slurm_search.sbatch", "--array=0-1", "--gres=none",
+                            "--cpus-per-task=1", f"--output={tmp_path / 'search-%A_%a.log'}", env=env)  # fmt: skip
+
+    def states(job: int) -> list[str]:
+        return re.findall(r"JobState=(\w+)", slurm.run(["scontrol", "show", "job", str(job)], check=False).stdout)
+
+    job = submit()
+    deadline = time.monotonic() + 300
+    while not all((out / f"trial_{n:04d}" / "checkpoints" / "step_000002").exists() for n in (0, 1)):
+        assert time.monotonic() < deadline and "FAILED" not in states(job), log_of(tmp_path / "search")
+        time.sleep(0.2)
+    params = {t.number: t.params for t in load_study(tmp_path).get_trials()}
+    slurm.run(["scancel", "--batch", "--signal=KILL", f"{job}_1"])
+    while not all(state in ENDED for state in states(job)):
+        assert time.monotonic() < deadline, states(job)
+        time.sleep(0.5)
+    again = submit()
+    while not all(state in ENDED for state in states(again)):
+        assert time.monotonic() < deadline + 300, states(again)
+        time.sleep(0.5)
+    trials = load_study(tmp_path).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"], log_of(tmp_path / "search")
+    assert {t.number: t.params for t in trials} == params  # the taken-up trial kept its parameters
+    for trial in trials:
+        run = out / f"trial_{trial.number:04d}"
+        assert [r["step"] for r in read_metrics(run)] == list(range(1, len(read_metrics(run)) + 1))
+    resumed = [t for t in trials if "Resumed from" in (out / f"trial_{t.number:04d}" / "log.txt").read_text()]
+    assert len(resumed) == 1, log_of(tmp_path / "search")
+    assert sorted(launches(out / f"trial_{t.number:04d}") for t in trials) == [1, 2]  # the resumed one twice

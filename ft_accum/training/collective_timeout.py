@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -88,12 +89,8 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 
 def describe_failure(position: RunPosition, exc: BaseException) -> str:
-    """The one line for a process that stopped joining collective operations."""
-    waited = (
-        "lost its connection to another process"
-        if "Connection" in str(exc)
-        else f"waited {position.timeout_seconds:g} s (--ddp_timeout) for the others"
-    )
+    """The one line for a process that stopped joining collective operations: a partner that went away
+    (gloo: "Connection closed by peer [host]:port", named by its host), or one that never came."""
     where = f"after update {position.updates_done}, in {position.phase}"
     saved = (
         f"the last complete checkpoint is {position.last_checkpoint}"
@@ -103,10 +100,26 @@ def describe_failure(position: RunPosition, exc: BaseException) -> str:
     resume = (
         f"; resume with: {position.resume_command}" if position.resume_command and position.last_checkpoint else ""
     )
+    process = f"process {position.process_index} of {position.num_processes}"
+    if "Connection" in str(exc):
+        peer = re.search(r"by peer \[([^\]]+)\]", str(exc))
+        # gloo names the peer's address when it has one; of 2 processes, the lost one is the other.
+        lost = (
+            f"the process on {peer.group(1)}"
+            if peer
+            else f"process {1 - position.process_index}"
+            if position.num_processes == 2
+            else "another process"
+        )
+        return (
+            f"a process stopped joining collective operations ({where}): {process} lost its connection to {lost}, "
+            f"which stopped (killed, crashed, or its machine went down: its own output says why); {saved}"
+            f"{resume or '; rerun the launch on every machine with --resume_from_checkpoint auto'}"
+        )
     return (
-        f"a process stopped joining collective operations ({where}): process {position.process_index} of "
-        f"{position.num_processes} {waited}. Every process must make every model call under FSDP or ZeRO-3 "
-        f"(docs/scale_out.md); {saved}{resume}"
+        f"a process stopped joining collective operations ({where}): {process} waited "
+        f"{position.timeout_seconds:g} s (--ddp_timeout) for the others. Every process must make every model "
+        f"call under FSDP or ZeRO-3 (docs/scale_out.md); {saved}{resume}"
     )
 
 
