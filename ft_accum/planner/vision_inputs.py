@@ -102,12 +102,9 @@ def vision_language_batch(config, layout: ImageLayout, micro_batch_size: int, se
     count); the image tensors as the processor returns them, and the per-token type ids Qwen's M-RoPE reads."""
     prefix = image_prefix(config, layout, images, seq_len)
     vocab = config.get_text_config().vocab_size
-    special = {
-        layout.image_token_id,
-        *(getattr(config, n, None) for n in ("vision_start_token_id", "vision_end_token_id")),
-    }
     text = torch.randint(0, vocab, (micro_batch_size, seq_len - len(prefix)))
-    text = torch.where(torch.isin(text, torch.tensor(sorted(t for t in special if t is not None))), 0, text)
+    # No text token may be one of the image's (the model would count it as an image placeholder).
+    text = torch.where(torch.isin(text, torch.tensor(sorted(set(prefix)))), 0, text)
     input_ids = torch.cat([torch.tensor(prefix).expand(micro_batch_size, -1), text], dim=1)
     labels = torch.cat([torch.full((micro_batch_size, len(prefix)), -100), text], dim=1)
     batch = {
