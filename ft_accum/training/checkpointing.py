@@ -34,6 +34,7 @@ import torch
 
 from ft_accum.core.errors import ConfigError
 from ft_accum.core.integrity import sha256_of
+from ft_accum.training.collective_timeout import is_collective_failure
 
 STATE_FILE = "training_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -70,6 +71,8 @@ def save_checkpoint(
             _write_json_durably(tmp / STATE_FILE, {"step": step, **state, "manifest": _manifest(tmp)})
     except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_collective_failure(exc):  # a peer lost in the save's barrier: collective_failures names it
+            raise
         previous = latest_checkpoint(output_dir)
         then = (
             f"then resume from the intact {previous} with --resume_from_checkpoint latest"
