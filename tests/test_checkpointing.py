@@ -76,6 +76,25 @@ def test_a_failed_save_names_the_cause_it_saw(tmp_path, accelerator, monkeypatch
         assert "expected a DTensor for 'lm_head.weight'" in message and "test_checkpointing.fail" in message
 
 
+def test_a_peer_lost_in_the_save_is_a_collective_failure_not_a_failed_write(tmp_path, accelerator, monkeypatch):
+    """A machine lost while the others save: the partial folder goes, and the error is the lost peer's line
+    (collective_timeout.collective_failures), not "could not write checkpoint"."""
+    from ft_accum.training import collective_timeout
+
+    prepared(accelerator)
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:65174: Connection reset by peer")
+
+    def fail(output_dir, **kwargs):
+        raise lost
+
+    monkeypatch.setattr(accelerator, "save_state", fail)
+    with pytest.raises(ConfigError, match="lost its connection to") as info:
+        with collective_timeout.collective_failures():
+            checkpointing.save_checkpoint(accelerator, tmp_path, 1, {})
+    assert "could not write checkpoint" not in str(info.value)
+    assert not list((tmp_path / "checkpoints").iterdir())
+
+
 def test_a_folder_without_the_state_file_is_not_a_checkpoint(tmp_path):
     (tmp_path / "checkpoints" / "step_000005").mkdir(parents=True)
     assert checkpointing.latest_checkpoint(tmp_path) is None
