@@ -43,11 +43,11 @@ from ft_accum.data import data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
 from ft_accum.training import every_rank, run_outputs, run_setup
-from ft_accum.training.arguments import LoraArguments, run_main
+from ft_accum.training.arguments import LabelSmoothingArguments, LoraArguments, NEFTuneArguments, run_main
 
 
 @dataclass
-class TaskArguments(LoraArguments):
+class TaskArguments(LoraArguments, LabelSmoothingArguments, NEFTuneArguments):
     model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "Local dir or hub name. Default: the bundled SmolLM2-135M-Instruct (offline)."}
     )
@@ -238,7 +238,11 @@ def train(task, args):
         model, optimizer, train_dataloader, eval_dataloader
     )
     output_loss = OutputLoss(
-        accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
+        accelerator.unwrap_model(model),
+        shift=True,
+        accelerator=accelerator,
+        enabled=task.chunked_loss,
+        label_smoothing=task.label_smoothing,
     )
     layout = f"{'packed' if task.packing else 'padded'} to {task.block_size} tokens"
     rows = {
@@ -258,6 +262,7 @@ def train(task, args):
         sample_unit="sequences",
         banner_rows=rows,
         mean_tokens_per_sample=mean_tokens,
+        neftune_noise_alpha=task.neftune_noise_alpha,
     )
     with tracker.paused():  # outside the training time, like every evaluation
         initial_eval = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
@@ -277,7 +282,7 @@ def train(task, args):
                 lr_scheduler.step()
                 optimizer.zero_grad()
         tracker.end_update(window, grad_norm=grad_norm)
-        if window.ends_epoch:
+        if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_perplexity, model, eval_dataloader, accelerator, output_loss)
     initial = {"initial_eval_perplexity": initial_eval["eval_perplexity"]}
     extras = lambda: save_extras(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
@@ -291,6 +296,7 @@ def main(argv=None):
         argv,
         __doc__,
         output_dir="outputs/causal_lm",
+        metric_for_best_model="eval_loss",
         per_device_train_batch_size=4,
         per_device_eval_batch_size=8,
         learning_rate=2e-4,

@@ -220,7 +220,7 @@ def train(task, args):
                 lr_scheduler.step()
                 optimizer.zero_grad()
         tracker.end_update(window, grad_norm=grad_norm)
-        if window.ends_epoch:
+        if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_model, model, eval_dataloader, accelerator)
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     hidden_size = accelerator.unwrap_model(model).config.hidden_size
@@ -229,7 +229,14 @@ def train(task, args):
 
 
 def main(argv=None):
-    return run_main(train, TaskArguments, argv, __doc__, output_dir="outputs/contrastive_embedding")
+    return run_main(
+        train,
+        TaskArguments,
+        argv,
+        __doc__,
+        output_dir="outputs/contrastive_embedding",
+        metric_for_best_model="eval_mrr@10",
+    )
 
 
 if __name__ == "__main__":

@@ -42,11 +42,11 @@ from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import layer_selection, loading, lora, low_memory
 from ft_accum.models.output_divergence import DistillationLoss
 from ft_accum.training import chat_evaluation, on_policy, run_setup
-from ft_accum.training.arguments import LoraArguments, run_main
+from ft_accum.training.arguments import LoraArguments, NEFTuneArguments, run_main
 
 
 @dataclass
-class TaskArguments(LoraArguments):
+class TaskArguments(LoraArguments, NEFTuneArguments):
     teacher_name_or_path: Optional[str] = field(
         default=None,
         metadata={"help": "The teacher: a run's final/ (a LoRA adapter: merged into its base) or hub name."},
@@ -266,6 +266,7 @@ def train(task, args):
         sample_unit="conversations",
         banner_rows=rows,
         mean_tokens_per_sample=mean_tokens,
+        neftune_noise_alpha=task.neftune_noise_alpha,
         prepare_batch=answers,  # --lmbda: the student's own answers, before the window counts its tokens
     )
     evaluation = functools.partial(
@@ -301,7 +302,7 @@ def train(task, args):
                 lr_scheduler.step()
                 optimizer.zero_grad()
         tracker.end_update(window, grad_norm=grad_norm, **answers.columns())
-        if window.ends_epoch:
+        if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluation)
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     return tracker.finish(model, tokenizer=tokenizer, **initial)
@@ -314,6 +315,7 @@ def main(argv=None):
         argv,
         __doc__,
         output_dir="outputs/distillation",
+        metric_for_best_model="eval_exact_match",
         per_device_train_batch_size=4,
         per_device_eval_batch_size=8,
         learning_rate=2e-4,

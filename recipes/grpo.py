@@ -321,7 +321,7 @@ def train(task, args):
                 optimizer.zero_grad()
         columns = generation_round.update_metrics(accelerator, window, logs, functions)
         tracker.end_update(window, grad_norm=grad_norm, **columns)
-        if window.ends_epoch:
+        if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_prompts, *rewarding)
     return tracker.finish(model, tokenizer=tokenizer, initial_eval_reward=initial_eval["eval_reward"])
 
@@ -333,6 +333,7 @@ def main(argv=None):
         argv,
         __doc__,
         output_dir="outputs/grpo",
+        metric_for_best_model="eval_reward",
         per_device_train_batch_size=8,
         per_device_eval_batch_size=8,
         learning_rate=1e-5,

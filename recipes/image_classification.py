@@ -259,13 +259,20 @@ def train(task, args):
                 lr_scheduler.step()
                 optimizer.zero_grad()
         tracker.end_update(window, grad_norm=grad_norm)
-        if window.ends_epoch:
+        if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_model, model, eval_dataloader, accelerator, *metrics)
     return tracker.finish(model, tokenizer=processor)
 
 
 def main(argv=None):
-    return run_main(train, TaskArguments, argv, __doc__, output_dir="outputs/image_classification")
+    return run_main(
+        train,
+        TaskArguments,
+        argv,
+        __doc__,
+        output_dir="outputs/image_classification",
+        metric_for_best_model="eval_accuracy",
+    )
 
 
 if __name__ == "__main__":

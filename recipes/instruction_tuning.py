@@ -46,11 +46,11 @@ from ft_accum.data import chat_data, data_sources, offline_assets
 from ft_accum.models import loading, lora, low_memory
 from ft_accum.models.output_loss import OutputLoss
 from ft_accum.training import chat_evaluation, run_outputs, run_setup
-from ft_accum.training.arguments import LoraArguments, run_main
+from ft_accum.training.arguments import LabelSmoothingArguments, LoraArguments, NEFTuneArguments, run_main
 
 
 @dataclass
-class TaskArguments(LoraArguments):
+class TaskArguments(LoraArguments, LabelSmoothingArguments, NEFTuneArguments):
     model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "Local dir or hub name. Default: the bundled SmolLM2-135M-Instruct (offline)."}
     )
@@ -218,7 +218,11 @@ def train(task, args):
         model, optimizer, train_dataloader, eval_dataloader
     )
     output_loss = OutputLoss(
-        accelerator.unwrap_model(model), shift=True, accelerator=accelerator, enabled=task.chunked_loss
+        accelerator.unwrap_model(model),
+        shift=True,
+        accelerator=accelerator,
+        enabled=task.chunked_loss,
+        label_smoothing=task.label_smoothing,
     )
     train_chats, train_rows = tokenized["train"], train_dataloader.dataset  # rows: conversations, or packed rows
     rows, mean_tokens, unit = describe_data(task, model, tokenized, train_rows, output_loss.path, plan.effective)
@@ -234,6 +238,7 @@ def train(task, args):
         sample_unit=unit,
         banner_rows=rows,
         mean_tokens_per_sample=mean_tokens,
+        neftune_noise_alpha=task.neftune_noise_alpha,
     )
     eval_conversations = conversations["validation"]
     with tracker.paused():  # outside the training time, like every evaluation
@@ -255,7 +260,7 @@ def train(task, args):
                 lr_scheduler.step()
                 optimizer.zero_grad()
         tracker.end_update(window, grad_norm=grad_norm)
-        if window.ends_epoch:
+        if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(
                 evaluate, task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations
             )
@@ -276,6 +281,7 @@ def main(argv=None):
         argv,
         __doc__,
         output_dir="outputs/instruction_tuning",
+        metric_for_best_model="eval_loss",
         per_device_train_batch_size=4,
         per_device_eval_batch_size=8,
         learning_rate=2e-4,

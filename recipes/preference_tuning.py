@@ -319,7 +319,7 @@ def train(task, args):
                 optimizer.zero_grad()
         columns = preference_loss.reward_means(accelerator.reduce(rewards, reduction="sum").tolist())
         tracker.end_update(window, grad_norm=grad_norm, **columns)
-        if window.ends_epoch:
+        if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_pairs, references["validation"], reference_loss)
     counts = {"truncated_train_pairs": train_pairs.truncated, "dropped_train_pairs": train_pairs.dropped}
     return tracker.finish(model, tokenizer=tokenizer, **initial, **counts)
@@ -332,6 +332,7 @@ def main(argv=None):
         argv,
         __doc__,
         output_dir="outputs/preference_tuning",
+        metric_for_best_model="eval_reward_accuracy",
         per_device_train_batch_size=4,
         per_device_eval_batch_size=8,
         learning_rate=5e-6,

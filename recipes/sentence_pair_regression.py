@@ -195,14 +195,21 @@ def train(task, args):
                 lr_scheduler.step()
                 optimizer.zero_grad()
         tracker.end_update(window, grad_norm=grad_norm)
-        if window.ends_epoch:
+        if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_model, model, eval_dataloader, accelerator, *metrics)
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     return tracker.finish(model, tokenizer=tokenizer, **initial)
 
 
 def main(argv=None):
-    return run_main(train, TaskArguments, argv, __doc__, output_dir="outputs/sentence_pair_regression")
+    return run_main(
+        train,
+        TaskArguments,
+        argv,
+        __doc__,
+        output_dir="outputs/sentence_pair_regression",
+        metric_for_best_model="eval_pearsonr",
+    )
 
 
 if __name__ == "__main__":

@@ -37,11 +37,11 @@ from ft_accum.data.metrics import load_metric
 from ft_accum.models import loading, low_memory
 from ft_accum.models.output_loss import OutputLoss
 from ft_accum.training import every_rank, run_setup
-from ft_accum.training.arguments import run_main
+from ft_accum.training.arguments import LabelSmoothingArguments, run_main
 
 
 @dataclass
-class TaskArguments:
+class TaskArguments(LabelSmoothingArguments):
     model_name_or_path: Optional[str] = field(
         default=None,
         metadata={
@@ -75,6 +75,7 @@ class TaskArguments:
     )
 
     def __post_init__(self):
+        super().__post_init__()
         for name, minimum in (("max_source_length", 2), ("max_target_length", 2), ("num_beams", 1)):
             if getattr(self, name) < minimum:
                 raise ConfigError(f"--{name} must be ≥ {minimum}, got {getattr(self, name)}")
@@ -204,7 +205,11 @@ def train(task, args):
         model, optimizer, train_dataloader, eval_dataloader
     )
     output_loss = OutputLoss(
-        accelerator.unwrap_model(model), shift=False, accelerator=accelerator, enabled=task.chunked_loss
+        accelerator.unwrap_model(model),
+        shift=False,
+        accelerator=accelerator,
+        enabled=task.chunked_loss,
+        label_smoothing=task.label_smoothing,
     )
     rows = {
         "train / eval rows": f"{len(raw['train'])} / {len(raw['validation'])}",
@@ -244,14 +249,16 @@ def train(task, args):
                 lr_scheduler.step()
                 optimizer.zero_grad()
         tracker.end_update(window, grad_norm=grad_norm)
-        if window.ends_epoch:
+        if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_model, task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss)
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     return tracker.finish(model, tokenizer=tokenizer, **initial)
 
 
 def main(argv=None):
-    return run_main(train, TaskArguments, argv, __doc__, output_dir="outputs/seq2seq")
+    return run_main(
+        train, TaskArguments, argv, __doc__, output_dir="outputs/seq2seq", metric_for_best_model="eval_rougeL"
+    )
 
 
 if __name__ == "__main__":

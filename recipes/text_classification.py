@@ -36,11 +36,11 @@ from ft_accum.data import data_sources, offline_assets
 from ft_accum.data.metrics import load_metric
 from ft_accum.models import loading, low_memory
 from ft_accum.training import run_setup
-from ft_accum.training.arguments import run_main
+from ft_accum.training.arguments import LabelSmoothingArguments, run_main
 
 
 @dataclass
-class TaskArguments:
+class TaskArguments(LabelSmoothingArguments):
     model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "Local dir or hub name. Default: the bundled all-MiniLM-L6-v2 (offline)."}
     )
@@ -57,6 +57,7 @@ class TaskArguments:
     max_seq_length: int = field(default=128, metadata={"help": "Truncate inputs to this many tokens."})
 
     def __post_init__(self):
+        super().__post_init__()
         if self.max_seq_length < 2:
             raise ConfigError(f"--max_seq_length must be ≥ 2, got {self.max_seq_length} (room for [CLS] and [SEP])")
 
@@ -122,10 +123,10 @@ def count_items(batch):
     return len(batch["labels"])
 
 
-def training_step(model, batch):
+def training_step(model, batch, label_smoothing=0.0):
     """The micro-batch's summed loss: not a mean, the window divides once by its count of all samples."""
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
-    return F.cross_entropy(logits, batch["labels"], reduction="sum")
+    return F.cross_entropy(logits, batch["labels"], reduction="sum", label_smoothing=label_smoothing)
 
 
 def evaluate_model(model, eval_dataloader, accelerator, accuracy, f1):
@@ -183,7 +184,7 @@ def train(task, args):
     for window in train_windows:  # one optimizer update; window.num_items: its samples, on every process
         for batch in window:
             with accelerator.accumulate(model), offload, window.retry_on_out_of_memory():
-                loss_sum = training_step(model, batch)
+                loss_sum = training_step(model, batch, task.label_smoothing)
                 # Σ loss / num_items over the window: scale = N·P / num_items undoes backward's ÷N and DDP's ÷P
                 accelerator.backward(loss_sum * window.scale)
                 window.add_loss(loss_sum)
@@ -194,13 +195,20 @@ def train(task, args):
                 lr_scheduler.step()
                 optimizer.zero_grad()
         tracker.end_update(window, grad_norm=grad_norm)
-        if window.ends_epoch:
+        if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_model, model, eval_dataloader, accelerator, *metrics)
     return tracker.finish(model, tokenizer=tokenizer)
 
 
 def main(argv=None):
-    return run_main(train, TaskArguments, argv, __doc__, output_dir="outputs/text_classification")
+    return run_main(
+        train,
+        TaskArguments,
+        argv,
+        __doc__,
+        output_dir="outputs/text_classification",
+        metric_for_best_model="eval_accuracy",
+    )
 
 
 if __name__ == "__main__":

@@ -37,11 +37,11 @@ from ft_accum.data import data_sources, offline_assets
 from ft_accum.data.metrics import load_metric
 from ft_accum.models import loading, low_memory
 from ft_accum.training import run_setup
-from ft_accum.training.arguments import run_main
+from ft_accum.training.arguments import LabelSmoothingArguments, run_main
 
 
 @dataclass
-class TaskArguments:
+class TaskArguments(LabelSmoothingArguments):
     model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "Local dir or hub name. Default: the bundled all-MiniLM-L6-v2 (offline)."}
     )
@@ -77,6 +77,7 @@ class TaskArguments:
     max_seq_length: int = field(default=128, metadata={"help": "Truncate inputs to this many tokens."})
 
     def __post_init__(self):
+        super().__post_init__()
         if self.max_seq_length < 3:
             raise ConfigError(
                 f"--max_seq_length must be ≥ 3, got {self.max_seq_length} (room for [CLS], a word and [SEP])"
@@ -147,9 +148,12 @@ def build_dataloaders(task, args, accelerator, raw, tokenizer, label_column, lab
     return train_dataloader, eval_dataloader, mean_tokens
 
 
-def token_loss_sum(logits, labels):
+def token_loss_sum(logits, labels, label_smoothing=0.0):
     """(Σ cross-entropy over labelled tokens, their count): -100 marks the tokens without a label."""
-    loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    flat_logits, flat_labels = logits.float().flatten(0, 1), labels.flatten()
+    loss_sum = F.cross_entropy(
+        flat_logits, flat_labels, ignore_index=-100, reduction="sum", label_smoothing=label_smoothing
+    )
     return loss_sum, (labels != -100).sum()
 
 
@@ -158,10 +162,10 @@ def count_items(batch):
     return (batch["labels"] != -100).sum()
 
 
-def training_step(model, batch):
+def training_step(model, batch, label_smoothing=0.0):
     """The micro-batch's loss summed over its labelled tokens (the window divides once by its count of all of them)."""
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-    return token_loss_sum(logits, batch["labels"])[0]
+    return token_loss_sum(logits, batch["labels"], label_smoothing)[0]
 
 
 def evaluate_model(model, eval_dataloader, accelerator, seqeval, label_names):
@@ -234,7 +238,7 @@ def train(task, args):
     for window in train_windows:  # one optimizer update; window.num_items: its labelled tokens, on every process
         for batch in window:
             with accelerator.accumulate(model), offload, window.retry_on_out_of_memory():
-                loss_sum = training_step(model, batch)
+                loss_sum = training_step(model, batch, task.label_smoothing)
                 # Σ loss / num_items over the window: scale = N·P / num_items undoes backward's ÷N and DDP's ÷P
                 accelerator.backward(loss_sum * window.scale)
                 window.add_loss(loss_sum)
@@ -245,14 +249,16 @@ def train(task, args):
                 lr_scheduler.step()
                 optimizer.zero_grad()
         tracker.end_update(window, grad_norm=grad_norm)
-        if window.ends_epoch:
+        if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_model, model, eval_dataloader, accelerator, seqeval, label_names)
     initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     return tracker.finish(model, tokenizer=tokenizer, **initial)
 
 
 def main(argv=None):
-    return run_main(train, TaskArguments, argv, __doc__, output_dir="outputs/token_classification")
+    return run_main(
+        train, TaskArguments, argv, __doc__, output_dir="outputs/token_classification", metric_for_best_model="eval_f1"
+    )
 
 
 if __name__ == "__main__":

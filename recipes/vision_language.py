@@ -291,7 +291,7 @@ def train(task, args):
                 lr_scheduler.step()
                 optimizer.zero_grad()
         tracker.end_update(window, grad_norm=grad_norm)
-        if window.ends_epoch:
+        if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(
                 evaluate, task, model, eval_dataloader, accelerator, output_loss, processor, answers, vision_pass
             )
@@ -312,6 +312,7 @@ def main(argv=None):
         argv,
         __doc__,
         output_dir="outputs/vision_language",
+        metric_for_best_model="eval_loss",
         per_device_train_batch_size=4,
         per_device_eval_batch_size=8,
         learning_rate=2e-4,

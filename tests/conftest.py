@@ -21,6 +21,7 @@ from ft_accum.testing import (  # noqa: F401  (re-exported for the test modules)
     copy_checkpoint,
     final_weights,
     free_port,
+    kill_when,
     launch,
     launch_command,
     launch_runs,

@@ -6,7 +6,6 @@ ends with final weights *bit-identical* (max abs difference 0.0) to an uninterru
 same seed, on CPU, for 1 and 2 processes; and `metrics.jsonl` then holds every update exactly once.
 """
 
-import contextlib
 import json
 import os
 import random
@@ -22,6 +21,7 @@ import pytest
 from conftest import (
     FAULT_HOOKS,
     final_weights,
+    kill_when,
     launch,
     launch_command,
     make_rows,
@@ -99,36 +99,6 @@ def start(args: list[str], num_processes: int = 1, env: dict[str, str] | None = 
 def completed_updates(out: Path) -> int:
     path = out / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def kill_when(process: subprocess.Popen, ready, what: str, delay: float = 0.0, timeout: float = 300) -> None:
-    """SIGKILL the whole process group `delay` seconds after `ready()` holds (polled every millisecond)."""
-    deadline = time.time() + timeout
-    while not ready():
-        if process.poll() is not None:
-            raise AssertionError(f"the run ended before {what}:\n{process.stderr.read()[-3000:]}")
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.001)
-    time.sleep(delay)
-    # Stop every process first, so none can finish the update or checkpoint in between, then kill.
-    tree = process_tree(process.pid)
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGSTOP)
-    for pid in process_tree(process.pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    process.wait()
-    for pid in tree:  # reap-free wait until the workers are gone (they are not our children)
-        while Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
-            time.sleep(0.01)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "Z"
 
 
 def test_three_seeded_kills_then_resume_is_bit_identical(tmp_path, dropout_model_dir, data, uninterrupted):

@@ -530,12 +530,12 @@ def test_the_plan_traces_the_recipes_own_step(tmp_path):
     keeps a second forward's activations alive for the backward gets a larger plan, with the planner
     untouched, and its own file named by `recipe=`."""
     source = (ROOT / "recipes" / "text_classification.py").read_text()
-    step = '    return F.cross_entropy(logits, batch["labels"], reduction="sum")\n'
+    step = '    return F.cross_entropy(logits, batch["labels"], reduction="sum", label_smoothing=label_smoothing)\n'
     assert step in source
     twice = step.replace(
         "return ", 'again = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()\n    return '
     )
-    twice = twice.replace('reduction="sum")', 'reduction="sum") + 0 * again.sum()')
+    twice = twice.replace("label_smoothing)", "label_smoothing) + 0 * again.sum()")
     copy = tmp_path / "my_classifier.py"
     copy.write_text(source.replace(step, twice))
     config = configs.load_model_config(str(ROOT / "ft_accum" / "planner" / "model_configs" / "bert-base-uncased.json"))

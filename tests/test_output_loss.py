@@ -25,7 +25,8 @@ def accelerator():
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_cross_entropy_matches_the_unchunked_loss_and_gradients(with_bias):
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_linear_cross_entropy_matches_the_unchunked_loss_and_gradients(with_bias, label_smoothing):
     torch.manual_seed(0)
     hidden = torch.randn(3, 17, 24, dtype=torch.float64).float().requires_grad_()
     weight = (torch.randn(101, 24) * 0.3).requires_grad_()
@@ -35,10 +36,13 @@ def test_linear_cross_entropy_matches_the_unchunked_loss_and_gradients(with_bias
     labels[2, :3] = -100  # a masked prompt
     inputs = [hidden, weight] + ([bias] if with_bias else [])
 
-    reference = F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, 1), labels.flatten(), reduction="sum")
+    logits = F.linear(hidden, weight, bias).flatten(0, 1)
+    reference = F.cross_entropy(logits, labels.flatten(), reduction="sum", label_smoothing=label_smoothing)
     expected = torch.autograd.grad(reference, inputs)
     # 101 logits per chunk: one row per chunk, 51 chunks.
-    loss, count = linear_cross_entropy_sum(hidden, weight, bias, labels, logits_per_chunk=101)
+    loss, count = linear_cross_entropy_sum(
+        hidden, weight, bias, labels, logits_per_chunk=101, label_smoothing=label_smoothing
+    )
     got = torch.autograd.grad(loss * 0.37, inputs)  # a scale, as the recipe's /nominal_tokens, must carry through
 
     assert count == (labels != -100).sum()

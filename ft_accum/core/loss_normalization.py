@@ -45,7 +45,7 @@ def window_loss_scale(window_items, backward_divisor: int, num_processes: int):
 
 
 def causal_lm_loss_sum(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token loss and the number of target tokens, counted **after** the causal shift.
 
@@ -55,6 +55,8 @@ def causal_lm_loss_sum(
     `gradient_accumulation_for_autoregressive_models.py` and of the Trainer for models without a
     `loss_type` (measured in issue 3). Computed from the logits, so it is the same for every causal
     LM, whether or not its forward accepts `num_items_in_batch`; fp32 for a stable log-softmax.
+    `label_smoothing` ε: torch's smoothed cross-entropy per target, still summed (the Trainer's
+    LabelSmoother took a micro-batch mean, ~N× too large under accumulation: transformers #46731).
     """
     # Shift the labels left (padding the end with ignore_index) instead of slicing the logits: a
     # slice of the (batch × length × vocab) logits would be copied, and its gradient allocated at
@@ -65,6 +67,7 @@ def causal_lm_loss_sum(
         shift_labels.reshape(-1),
         ignore_index=ignore_index,
         reduction="sum",
+        label_smoothing=label_smoothing,
     )
     return loss_sum, (shift_labels != ignore_index).sum()
 

@@ -53,7 +53,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """Σ CE(hidden Wᵀ + bias, targets), its gradients computed chunk by chunk in the forward pass."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, is_target, chunk_size, grad_enabled):
+    def forward(ctx, hidden, weight, bias, targets, is_target, chunk_size, grad_enabled, label_smoothing):
         # forward runs with grad mode off, and needs_input_grad ignores the caller's torch.no_grad():
         # without `grad_enabled` (the caller's mode) an evaluation or a DPO reference pass would
         # compute both gradients, and hold an fp32 copy of the output layer, for nothing.
@@ -72,12 +72,18 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 end = start + chunk_size
                 h_chunk, y, keep = h[start:end], targets[start:end], is_target[start:end].float()
                 log_probs = torch.log_softmax(F.linear(h_chunk, w, b).float(), dim=-1)
-                loss -= (log_probs.gather(1, y[:, None]).squeeze(1) * keep).sum()
+                # Smoothed: the target gets 1 − ε and every class ε / V (torch's label_smoothing).
+                target_log_prob = log_probs.gather(1, y[:, None]).squeeze(1) * (1 - label_smoothing)
+                if label_smoothing:
+                    target_log_prob += log_probs.mean(-1) * label_smoothing
+                loss -= (target_log_prob * keep).sum()
                 if grad_h is None and grad_w is None and grad_b is None:
                     continue
-                # d CE / d logits = softmax − onehot, zero on the ignored positions; built in place.
+                # d CE / d logits = softmax − the smoothed one-hot, zero on the ignored positions; built in place.
                 grad_logits = log_probs.exp_()
-                grad_logits[torch.arange(len(y), device=y.device), y] -= 1
+                grad_logits[torch.arange(len(y), device=y.device), y] -= 1 - label_smoothing
+                if label_smoothing:
+                    grad_logits -= label_smoothing / grad_logits.shape[-1]
                 grad_logits *= keep[:, None]
                 if grad_b is not None:
                     grad_b += grad_logits.sum(0)
@@ -95,7 +101,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        return (*gradients_formed_in_forward(ctx, grad_loss), None, None, None, None)
+        return (*gradients_formed_in_forward(ctx, grad_loss), None, None, None, None, None)
 
 
 def linear_cross_entropy_sum(
@@ -105,8 +111,10 @@ def linear_cross_entropy_sum(
     labels: torch.Tensor,
     ignore_index: int = -100,
     logits_per_chunk: int = LOGITS_PER_CHUNK,
+    label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ_t CE(hidden_t Wᵀ + b, labels_t) over labels ≠ ignore_index, their count), no full logits.
+    With `label_smoothing` ε each term is torch's smoothed cross-entropy, (1 − ε)·CE + ε·mean_v(−log p_v).
 
     `hidden` is (..., H) and `labels` the matching (...) targets, already aligned (shift causal-LM
     labels first with `shift_labels`).
@@ -124,6 +132,7 @@ def linear_cross_entropy_sum(
         is_target,
         max(1, logits_per_chunk // weight.shape[0]),
         torch.is_grad_enabled(),
+        label_smoothing,
     )
     return loss, is_target.sum()
 
@@ -211,8 +220,10 @@ class OutputLoss:
         enabled: bool = True,
         check_logits: bool = True,
         trim_to_targets: bool = True,
+        label_smoothing: float = 0.0,
     ):
         self.shift = shift
+        self.label_smoothing = label_smoothing  # of the training loss (`__call__`); evaluation's rows stay plain
         self.trim_to_targets = trim_to_targets  # per-row losses over each row's target span only (target_spans)
         self.layer = unwrapped_model.get_output_embeddings()
         self.hidden: torch.Tensor | None = None
@@ -245,10 +256,13 @@ class OutputLoss:
     def _targets(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_labels(labels) if self.shift else labels
 
-    def _full_logits_loss(self, logits: torch.Tensor, labels: torch.Tensor):
+    def _full_logits_loss(self, logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0):
         if self.shift:
-            return causal_lm_loss_sum(logits, labels)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+            return causal_lm_loss_sum(logits, labels, label_smoothing=label_smoothing)
+        flat_logits, flat_labels = logits.float().flatten(0, 1), labels.flatten()
+        loss = F.cross_entropy(
+            flat_logits, flat_labels, ignore_index=-100, reduction="sum", label_smoothing=label_smoothing
+        )
         return loss, (labels != -100).sum()
 
     @torch.no_grad()
@@ -275,9 +289,10 @@ class OutputLoss:
         if not self.checked:
             self.check_against_logits(model, labels, inputs)
         if not self.chunked:
-            return self._full_logits_loss(model(**inputs).logits, labels)
+            return self._full_logits_loss(model(**inputs).logits, labels, self.label_smoothing)
+        hidden = self.hidden_states(model, **inputs)
         return linear_cross_entropy_sum(
-            self.hidden_states(model, **inputs), self.layer.weight, self.layer.bias, self._targets(labels)
+            hidden, self.layer.weight, self.layer.bias, self._targets(labels), label_smoothing=self.label_smoothing
         )
 
     @torch.no_grad()

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ft_accum.training.recipe_modules import load_recipe_module
@@ -222,3 +223,39 @@ def load_script(path: str | Path, name: str | None = None):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def kill_when(process: subprocess.Popen, ready, what: str, delay: float = 0.0, timeout: float = 300) -> None:
+    """SIGKILL the whole process group `delay` seconds after `ready()` holds (polled every millisecond), and
+    wait until every process of it is gone (the output folder's lock with it)."""
+    from ft_accum.cli.launching import process_tree
+
+    deadline = time.time() + timeout
+    while not ready():
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended before {what}:\n{process.stderr.read()[-3000:]}")
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+    time.sleep(delay)
+    # Stop every process first, so none can finish the update or checkpoint in between, then kill.
+    tree = process_tree(process.pid)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    for pid in process_tree(process.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+    for pid in tree:  # reap-free wait until the workers are gone (they are not our children)
+        while not _has_exited(pid):
+            time.sleep(0.01)
+
+
+def _has_exited(pid: int) -> bool:
+    """Gone, or a zombie whose every thread has exited: only then are its files (and their flocks) closed.
+    A killed process's main thread turns zombie first, while its other threads are still exiting."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return True
+    return fields[0] in "ZX" and int(fields[17]) <= 1  # the state, and num_threads (field 20 of proc(5))

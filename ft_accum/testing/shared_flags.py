@@ -51,6 +51,11 @@ class Observed:
         return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
     @functools.cached_property
+    def results(self) -> dict:
+        path = self.output_dir / "all_results.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    @functools.cached_property
     def optimizer_state(self) -> dict:
         import torch
 
@@ -113,6 +118,8 @@ TRIALS = [
           lambda s: 2 in s.loader_batch_sizes or max(s.eval_rows, default=0) == 2),
     Trial(("--max_train_samples", "40"), "a 40-row dataset is selected", lambda s: 40 in s.selected),
     Trial(("--max_eval_samples", "3"), "a 3-row dataset is selected", lambda s: 3 in s.selected),
+    Trial(("--metric_for_best_model", "eval_loss"), "all_results.json's best_metric is its eval_loss",
+          lambda s: s.results.get("best_metric") is not None and s.results.get("best_metric") == s.results.get("eval_loss")),
 ]  # fmt: skip
 
 # Every other shared flag, with why one CPU process at one update cannot show it, and where it is tested.
@@ -134,6 +141,11 @@ NOT_TRIED = {
     "resume_from_checkpoint": "ft-accum check resumes every recipe (tests/test_recipe_contract.py)",
     "max_consecutive_skipped_updates": "fp16 overflow, a GPU's: tests/test_loss_normalization.py",
     "trust_remote_code": "a hub model's own code: nothing offline has any",
+    "eval_steps": "one update shows no second evaluation: tests/test_trainer_options.py",
+    "greater_is_better": "one evaluation is always the best: tests/test_trainer_options.py",
+    "early_stopping_patience": "stops only after several evaluations: tests/test_trainer_options.py",
+    "early_stopping_threshold": "(the same): tests/test_trainer_options.py",
+    "load_best_model_at_end": "needs a later, worse evaluation: tests/test_trainer_options.py",
 }
 
 ERROR_FLAG = re.compile(r"--([a-z_0-9]+)")

@@ -24,6 +24,7 @@ from typing import Optional, TypeVar
 
 from ft_accum.core.accumulation_schedule import parse_accumulation_schedule
 from ft_accum.core.batch_arithmetic import BatchPlan
+from ft_accum.core.early_stopping import greater_is_better
 from ft_accum.core.errors import ConfigError, one_line_errors
 from ft_accum.core.lr_scaling import POLICIES, scale_learning_rate
 from ft_accum.training.recipe_files import config_of
@@ -162,6 +163,37 @@ class TrainingArguments:
     report_to: str = field(
         default="auto", metadata={"help": "tensorboard, none, or auto (tensorboard when installed)."}
     )
+    eval_steps: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Also evaluate every N optimizer updates (after an update, never inside one); epochs' ends always."
+        },
+    )
+    metric_for_best_model: str = field(
+        default="eval_loss",
+        metadata={"help": "The evaluation metric that ranks evaluations, for early stopping and the best model."},
+    )
+    greater_is_better: Optional[bool] = field(
+        default=None,
+        metadata={
+            "help": "Whether a larger --metric_for_best_model is better; unset: false for losses, perplexities, errors."
+        },
+    )
+    early_stopping_patience: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Stop after this many evaluations in a row without improvement (a last checkpoint, then final/)."
+        },
+    )
+    early_stopping_threshold: float = field(
+        default=0.0, metadata={"help": "An evaluation improves only when better than the best by more than this."}
+    )
+    load_best_model_at_end: bool = field(
+        default=False,
+        metadata={
+            "help": "final/ holds the best evaluation's weights (each new best is checkpointed, never deleted)."
+        },
+    )
 
     def __post_init__(self):
         # Sizes are ≥ 1 here; how --gradient_accumulation_steps or --effective_batch_size split (and that only one
@@ -180,10 +212,14 @@ class TrainingArguments:
             "max_train_samples",
             "max_eval_samples",
             "ddp_timeout",
+            "eval_steps",
+            "early_stopping_patience",
         )
         if self.learning_rate <= 0:
             raise ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}")
-        require_at_least(self, 0, "weight_decay", "max_grad_norm")
+        require_at_least(self, 0, "weight_decay", "max_grad_norm", "early_stopping_threshold")
+        if self.greater_is_better is None:
+            self.greater_is_better = greater_is_better(self.metric_for_best_model)
         if self.model_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"--model_dtype must be float32 or bfloat16, got {self.model_dtype!r}")
         if self.optim not in OPTIMIZERS:
@@ -268,6 +304,53 @@ class LoraArguments:
             raise ConfigError(
                 "--load_in_4bit freezes the base in 4 bits, so only LoRA adapters can train; add --use_lora"
             )
+        next_post_init(LoraArguments, self)
+
+
+@dataclass
+class LabelSmoothingArguments:
+    """--label_smoothing, for the recipes whose loss is a cross-entropy over classes or tokens: their
+    `TaskArguments` inherit it and pass it to the loss (training only; evaluation reports the plain loss)."""
+
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={
+            "help": "ε of label-smoothed cross-entropy: (1 − ε) on the target, ε spread over all classes (Szegedy et "
+            "al. 2016); summed over the targets and divided once by the window's count, as the plain loss. Training only."
+        },
+    )
+
+    def __post_init__(self):
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"--label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        next_post_init(LabelSmoothingArguments, self)
+
+
+@dataclass
+class NEFTuneArguments:
+    """--neftune_noise_alpha, for the recipes that train a language model on text: their `TaskArguments`
+    inherit it and hand it to `run_setup.start_training` (models/neftune.py)."""
+
+    neftune_noise_alpha: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "NEFTune (arXiv:2310.05914): uniform noise on the input embeddings while training, α/√(L·d) with "
+            "L each row's own length, on real tokens only, the same at any split of the batch. 5 in the paper."
+        },
+    )
+
+    def __post_init__(self):
+        if self.neftune_noise_alpha is not None and not self.neftune_noise_alpha > 0:
+            raise ConfigError(f"--neftune_noise_alpha must be > 0 (5 in the paper), got {self.neftune_noise_alpha}")
+        next_post_init(NEFTuneArguments, self)
+
+
+def next_post_init(cls: type, instance) -> None:
+    """The `__post_init__` after `cls`'s in `instance`'s classes, if any: argument mixins combine
+    (`class TaskArguments(LoraArguments, LabelSmoothingArguments)`) and each checks its own fields."""
+    following = getattr(super(cls, instance), "__post_init__", None)
+    if following is not None:
+        following()
 
 
 def parse_args(

@@ -46,12 +46,17 @@ def checkpoint_name(step: int) -> str:
 
 
 def save_checkpoint(
-    accelerator, output_dir: str | os.PathLike, step: int, state: dict[str, Any], save_total_limit: int | None = None
+    accelerator,
+    output_dir: str | os.PathLike,
+    step: int,
+    state: dict[str, Any],
+    save_total_limit: int | None = None,
+    keep: str | None = None,
 ) -> Path:
     """Save `accelerator.save_state` plus `state` atomically; call it on every process at a sync step.
 
     With `save_total_limit`, older complete checkpoints beyond the newest K are deleted, only after
-    the new one is complete. A failed write (a full disk) removes the partial folder and raises a
+    the new one is complete; never the one named `keep` (the best evaluation's). A failed write (a full disk) removes the partial folder and raises a
     ConfigError that names the checkpoint still intact.
     """
     root = Path(output_dir) / "checkpoints"
@@ -101,7 +106,8 @@ def save_checkpoint(
         _fsync_dir(root)
         if save_total_limit:
             for old in list_checkpoints(output_dir)[:-save_total_limit]:
-                shutil.rmtree(old)
+                if old.name != keep:
+                    shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
 

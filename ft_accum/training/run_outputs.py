@@ -274,11 +274,11 @@ def log_update(accelerator, output_dir: Path, record: dict[str, Any], progress, 
 
 
 def log_evaluation(accelerator, epoch: int, step: int, metrics: dict[str, Any]) -> None:
-    """The epoch's evaluation: one printed line, the tracker, and a line of `eval_metrics.jsonl` in the
-    output folder (what `ft-accum sweep`'s search reads as the run goes; metrics.jsonl keeps one line
-    per update). Text values (an example output) are printed apart."""
+    """An evaluation (an epoch's end, or --eval_steps'): one printed line, the tracker, and a line of
+    `eval_metrics.jsonl` in the output folder (what `ft-accum sweep`'s search reads as the run goes;
+    metrics.jsonl keeps one line per update). Text values (an example output) are printed apart."""
     numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-    accelerator.print(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in numbers.items()))
+    accelerator.print(f"update {step} (epoch {epoch}): " + ", ".join(f"{k} {v:.4f}" for k, v in numbers.items()))
     for key, value in metrics.items():
         if key not in numbers:
             accelerator.print(f"  {key}: {value!r}")

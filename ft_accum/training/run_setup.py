@@ -19,6 +19,7 @@ from ft_accum.core.errors import ConfigError
 from ft_accum.core.lr_scaling import describe_lr_scaling
 from ft_accum.models.loading import describe_dtypes
 from ft_accum.models.low_memory import adamw_8bit, adamw_8bit_stochastic_rounding
+from ft_accum.models.neftune import add_neftune_noise
 from ft_accum.training import checkpointing, collective_timeout, model_card, training_state
 from ft_accum.training.banner import format_banner
 from ft_accum.training.graceful_stop import GracefulStop, started_command, without_resume
@@ -147,6 +148,14 @@ def run_banner(
         if args.accumulation_schedule
         else None,
         "noise scale": "measured every update" if args.measure_noise_scale else None,
+        "evaluation": f"every {args.eval_steps} updates and at each epoch's end" if args.eval_steps else None,
+        "early stopping": f"after {args.early_stopping_patience} evaluation(s) without {args.metric_for_best_model} "
+        f"{'rising' if args.greater_is_better else 'falling'} by more than {args.early_stopping_threshold}"
+        if args.early_stopping_patience
+        else None,
+        "best model": f"final/ holds the best {args.metric_for_best_model} evaluation's weights"
+        if args.load_best_model_at_end
+        else None,
     }
     lr_line = describe_lr_scaling(
         args.learning_rate,
@@ -210,6 +219,7 @@ def start_training(
     prepare_batch=None,
     batches_per_epoch: int | None = None,
     make_windows=None,
+    neftune_noise_alpha: float | None = None,
 ) -> TrainingRun:
     """The ft-accum plumbing after `accelerator.prepare`, in the one order that works: the run's updates
     planned (`UpdatePlan`: windows per epoch, --accumulation_schedule) and its LR scheduler sized in
@@ -220,10 +230,12 @@ def start_training(
     adds `banner_rows`.
 
     `prepare_batch(batch, update)` rewrites each micro-batch before its window is counted (TrainWindows).
+    `neftune_noise_alpha`: NEFTune's noise on the model's input embeddings in training forwards, seeded by
+    the update (models/neftune.py).
     """
     from ft_accum.training.noise_meter import NoiseScaleMeter
     from ft_accum.training.update_plan import UpdatePlan
-    from ft_accum.training.windows import TrainWindows
+    from ft_accum.training.windows import EvaluatedWindows, TrainWindows
 
     update_plan = UpdatePlan(
         accelerator,
@@ -237,6 +249,8 @@ def start_training(
         num_warmup_steps=args.num_warmup_steps,
         scaled_learning_rate=args.scaled_learning_rate,
     )
+    if neftune_noise_alpha:
+        banner_rows = {**(banner_rows or {}), "NEFTune": f"α {neftune_noise_alpha}: each row's real tokens, α/√(Lᵢ·d)"}
     accelerator.print(
         run_banner(
             accelerator,
@@ -260,6 +274,8 @@ def start_training(
         resume_from_checkpoint=args.resume_from_checkpoint,
         output_dir=args.output_dir,
     )
+    if neftune_noise_alpha:
+        add_neftune_noise(accelerator.unwrap_model(model), neftune_noise_alpha, args.seed, lambda: state.step)
     if make_windows is not None:
         train_windows = make_windows(state=state, update_plan=update_plan)
     else:
@@ -276,12 +292,20 @@ def start_training(
             tokens_are_items="token" in unit,  # target, assistant, labelled tokens: tokens_seen counts them
             prepare_batch=prepare_batch,
         )
+    train_windows = EvaluatedWindows(train_windows, state, args.eval_steps)
     settings = training_state.RunSettings(
         output_dir=args.output_dir,
         checkpointing_steps=args.checkpointing_steps,
         save_total_limit=args.save_total_limit,
         max_consecutive_skipped_updates=args.max_consecutive_skipped_updates,
         scaled_learning_rate=args.scaled_learning_rate,
+        best_model=training_state.BestModelSettings(
+            metric=args.metric_for_best_model,
+            greater_is_better=args.greater_is_better,
+            patience=args.early_stopping_patience,
+            threshold=args.early_stopping_threshold,
+            load_at_end=args.load_best_model_at_end,
+        ),
     )
     tracker = RunTracker(
         accelerator,

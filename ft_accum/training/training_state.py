@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ft_accum.core.batch_arithmetic import BatchPlan
+from ft_accum.core.early_stopping import improves, is_new_best, metric_key
 from ft_accum.core.errors import register_progress_bar
 from ft_accum.core.loss_normalization import check_skipped_updates
 from ft_accum.training import checkpointing, collective_timeout
@@ -40,6 +41,10 @@ class TrainingState:
     consecutive_skipped: int = 0
     noise_scale_ema: Optional[dict] = None
     eval_metrics: Optional[dict] = None  # the last evaluation's numbers: a run resumed at its end still reports them
+    best_metric: Optional[float] = None  # the best evaluation's --metric_for_best_model so far
+    best_step: Optional[int] = None  # the update it followed
+    evaluations_without_improvement: int = 0  # early stopping's patience counter
+    stopped_early_at: Optional[int] = None  # the update after which early stopping ended the run
     last_checkpoint: Optional[str] = None
 
     def complete_update(self, window, skipped: bool, max_consecutive_skipped_updates: int) -> None:
@@ -170,14 +175,26 @@ def save_checkpoint(
     """An atomic checkpoint at this sync step (see checkpointing.save_checkpoint); remembers its name
     for the error messages that point the user to the last good one."""
     state.train_seconds = train_seconds
+    best = checkpointing.checkpoint_name(state.best_step) if state.best_step is not None else None
     path = checkpointing.save_checkpoint(
-        accelerator, output_dir, state.step, state.to_checkpoint(signature), save_total_limit
+        accelerator, output_dir, state.step, state.to_checkpoint(signature), save_total_limit, keep=best
     )
     state.last_checkpoint = str(path)
     return path
 
 
 RESUME_COMMAND_FILE = "resume_command.txt"
+
+
+@dataclass(frozen=True)
+class BestModelSettings:
+    """How evaluations are ranked and when they stop the run (--metric_for_best_model and the rest)."""
+
+    metric: str = "eval_loss"
+    greater_is_better: bool = False
+    patience: Optional[int] = None  # None: never stop early
+    threshold: float = 0.0
+    load_at_end: bool = False
 
 
 @dataclass(frozen=True)
@@ -189,6 +206,7 @@ class RunSettings:
     save_total_limit: Optional[int]
     max_consecutive_skipped_updates: int
     scaled_learning_rate: Callable[[int], float]  # the peak LR for an effective batch (--lr_scaling)
+    best_model: BestModelSettings = BestModelSettings()
 
 
 class RunTracker:
@@ -266,8 +284,8 @@ class RunTracker:
         )
         due = self.pending or bool(settings.checkpointing_steps and state.step % settings.checkpointing_steps == 0)
         self.pending = False
-        if window.ends_epoch and (stopping or due):
-            # After the epoch's evaluation (`log_evaluation`), so that a resume from it has nothing left to do.
+        if window.evaluation_due and (stopping or due):
+            # After the update's evaluation (`log_evaluation`), so that a resume from it has nothing left to do.
             self.pending, self.stopping = True, stopping
         elif stopping or due:
             self.save(stopping)
@@ -296,14 +314,59 @@ class RunTracker:
         return metrics
 
     def log_evaluation(self, metrics: dict[str, Any]) -> None:
-        """The epoch's evaluation on record (run_outputs.log_evaluation) and in the training state; then the
-        checkpoint (or the stop) that the epoch's last update deferred to this point."""
+        """The evaluation on record (run_outputs.log_evaluation) and in the training state, ranked (`rank`);
+        then the checkpoint (or the stop) that its update deferred to this point, or the one a new best
+        (--load_best_model_at_end) or early stopping asks for. Early stopping ends the windows: the
+        loop ends, and `finish` writes the outputs of a finished run."""
         self.evaluation = metrics
         log_evaluation(self.accelerator, epoch=self.state.epoch, step=self.state.step, metrics=metrics)
         self.state.eval_metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}
-        if self.pending:
-            self.pending = False
-            self.save(self.stopping)
+        new_best, stop_early = self.rank(metrics)
+        if self.pending or stop_early or (new_best and self.settings.best_model.load_at_end):
+            stopping, self.pending = self.pending and self.stopping, False
+            self.save(stopping)
+
+    def rank(self, metrics: dict[str, Any]) -> tuple[bool, bool]:
+        """(a new best, stop early) after an evaluation (core/early_stopping's rules), with the best and
+        the patience counter kept in the training state (so in each checkpoint). The main process's
+        value decides, so every process makes the same decision."""
+        from accelerate.utils import broadcast_object_list
+
+        rules, state = self.settings.best_model, self.state
+        key = metric_key(rules.metric, metrics)
+        value = broadcast_object_list([float(metrics[key])])[0]
+        new_best = is_new_best(value, state.best_metric, rules.greater_is_better)
+        improved = improves(value, state.best_metric, rules.greater_is_better, rules.threshold)
+        state.evaluations_without_improvement = 0 if improved else state.evaluations_without_improvement + 1
+        if new_best:
+            state.best_metric, state.best_step = value, state.step
+        patience_over = rules.patience is not None and state.evaluations_without_improvement >= rules.patience
+        if not (patience_over and state.scheduler_steps < self.num_update_steps):
+            return new_best, False
+        state.stopped_early_at = state.step
+        self.accelerator.print(
+            f"early stopping: {key} has not improved on {state.best_metric:.4f} (update {state.best_step}) by more "
+            f"than {rules.threshold} for {state.evaluations_without_improvement} evaluation(s); stopping after "
+            f"update {state.step} of {self.num_update_steps}, with a last checkpoint"
+        )
+        return new_best, True
+
+    def load_best(self) -> dict[str, Any]:
+        """With --load_best_model_at_end, the best evaluation's weights back in the model (from its
+        checkpoint, which `save` never deletes); the results' lines on the best evaluation."""
+        rules, state = self.settings.best_model, self.state
+        if state.best_step is None:
+            return {}
+        best = {"metric_for_best_model": rules.metric, "best_metric": state.best_metric, "best_step": state.best_step}
+        best["stopped_early_at"] = state.stopped_early_at
+        if not rules.load_at_end:
+            return best
+        if state.best_step != state.step:
+            path = Path(self.settings.output_dir) / "checkpoints" / checkpointing.checkpoint_name(state.best_step)
+            with collective_timeout.phase("save"):
+                self.accelerator.load_state(str(path))
+            self.accelerator.print(f"final/ holds the best evaluation's weights: update {state.best_step}, {path}")
+        return best | {"final_weights_from_step": state.best_step}
 
     @contextlib.contextmanager
     def paused(self):
@@ -327,6 +390,7 @@ class RunTracker:
         if self.stop is not None:
             self.stop.restore()
         train_seconds = self.clock.total()
+        metrics |= self.load_best()
         with collective_timeout.phase("save"):
             save_final(self.accelerator, model, tokenizer, self.settings.output_dir, extra_files=final_files)
         with collective_timeout.phase("sample"):  # --generate_prompt, --merge_lora: model calls on every rank

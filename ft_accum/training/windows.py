@@ -123,7 +123,8 @@ class Window:
     Iterate over it for the micro-batches (each one makes Accelerate's window: `start_window`);
     `scale` is the current micro-batch's factor for `accelerator.backward(loss_sum * window.scale)`.
     `add_loss` keeps each summed loss for the log and for `check_finite_loss`, the guard at the
-    sync step. `ends_epoch` is true for the last window of an epoch, or of the run.
+    sync step. `ends_epoch` is true for the last window of an epoch, or of the run; `evaluation_due`
+    also after every --eval_steps updates (`EvaluatedWindows`): the recipe evaluates after it.
     """
 
     def __init__(
@@ -143,7 +144,7 @@ class Window:
         count_tokens: Callable[[Any], Any] | None = count_tokens,
     ):
         self.accelerator, self.plan, self.update, self.last_checkpoint = accelerator, plan, update, last_checkpoint
-        self.ends_epoch = ends_epoch
+        self.ends_epoch = self.evaluation_due = ends_epoch
         # Where the epoch stands once this window is done: this process's samples of `epoch` consumed, of `epoch_size`.
         self.epoch, self.epoch_samples, self.epoch_size = epoch, epoch_samples, epoch_size
         self.lr_steps = 1  # LR-scheduler steps this update stands for (an adaptive schedule: more)
@@ -289,6 +290,27 @@ class Window:
             ]
             self._set_micro_batches([p for p, _ in pieces], [r for _, r in pieces], self.count_items)
             self._restart = True
+
+
+class EvaluatedWindows:
+    """The run's windows (`TrainWindows`, or GRPO's rounds), each marked `evaluation_due`: at an epoch's
+    (or the run's) end, and after every `eval_steps`-th update (--eval_steps); they end early once
+    `state.stopped_early_at` is set (early stopping, training_state.RunTracker.log_evaluation), before
+    the next window is fetched."""
+
+    def __init__(self, windows, state, eval_steps: int | None):
+        self.windows, self.state, self.eval_steps = windows, state, eval_steps
+
+    @property
+    def plan(self) -> BatchPlan:
+        return self.windows.plan
+
+    def __iter__(self) -> Iterator[Window]:
+        windows = iter(self.windows)
+        while self.state.stopped_early_at is None and (window := next(windows, None)) is not None:
+            every = self.eval_steps and (window.update + 1) % self.eval_steps == 0
+            window.evaluation_due = window.ends_epoch or bool(every)
+            yield window
 
 
 class TrainWindows:
