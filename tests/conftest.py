@@ -32,6 +32,7 @@ from ft_accum.testing import (  # noqa: F401  (re-exported for the test modules)
     make_tiny_chat_lm,
     make_tiny_lm,
     max_abs_difference,
+    read_evaluations,
     read_metrics,
     recipe_args,
     relative_error,

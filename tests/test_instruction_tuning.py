@@ -15,6 +15,7 @@ from ft_accum.core.loss_normalization import causal_lm_loss_sum
 from ft_accum.data import chat_data
 from ft_accum.models.output_loss import OutputLoss
 from ft_accum.testing import (
+    copy_checkpoint,
     final_weights,
     make_conversations,
     make_tiny_chat_lm,
@@ -129,19 +130,26 @@ def naive_and_exact_gradients(model_dir, conversations, micro, accumulation):
 
 @pytest.mark.launch
 def test_recipe_accumulation_matches_the_full_batch_and_two_ddp_processes(tmp_path, chat_lm_dir, chat_files):
+    """(8 × 1) = (2 × 4) = 2 DDP processes × (2 × 2), with --label_smoothing and --neftune_noise_alpha on
+    (issue 65: the smoothed loss divided once by the window's count, the noise seeded by row and update
+    whatever the micro-batch), and a resume after update 1 bit-identical (the noise of update 2 again)."""
     answers = [len(m["messages"][1]["content"].split()) for m in make_conversations(16, seed=3)]
     assert max(answers) >= 10 * min(answers)  # the point: assistant lengths differ 10× or more
 
-    def args(out, micro, accumulation):
+    def args(out, micro, accumulation, **more):
         return recipe_args(
             chat_lm_dir, chat_files, out, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
             max_train_samples=13, max_seq_length=512, exact_match_max_words=1, max_new_tokens=2,
+            label_smoothing=0.1, neftune_noise_alpha=5, **more,
         )  # fmt: skip
 
     # 13 conversations: the second window holds 5, so on 2 processes (2 × 2) process 0's last
     # micro-batch is half padding and process 1's is all padding.
     run_in_process("instruction_tuning", args(tmp_path / "full", 8, 1))
-    run_in_process("instruction_tuning", args(tmp_path / "accumulated", 2, 4))
+    run_in_process("instruction_tuning", args(tmp_path / "accumulated", 2, 4, checkpointing_steps=1))
+    resumed = copy_checkpoint(tmp_path / "accumulated", 1, tmp_path / "resumed")
+    run_in_process("instruction_tuning", args(resumed, 2, 4, resume_from_checkpoint="latest"))
+    assert max_abs_difference(final_weights(resumed), final_weights(tmp_path / "accumulated")) == 0.0
     launch("instruction_tuning", args(tmp_path / "ddp", 2, 2), num_processes=2)
     full = final_weights(tmp_path / "full")
     assert relative_error(final_weights(tmp_path / "accumulated"), full) <= RTOL

@@ -5,6 +5,7 @@ they differ only in summation order (micro-batch shapes, padding lengths, the al
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from conftest import (
     final_weights,
     launch_runs,
     make_rows,
+    read_evaluations,
     read_metrics,
     relative_error,
     run_in_process,
@@ -91,12 +93,23 @@ def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(tmp_pat
             tiny_args(tiny_model_dir, data_files, tmp_path / "ddp", **ddp),
             tiny_args(tiny_model_dir, data_files, tmp_path / "sync_each_batch", sync_each_batch=True, **ddp),
             tiny_args(tiny_model_dir, data_files, tmp_path / "noise_ddp", gradient_accumulation_steps=2, **noise),
+            tiny_args(tiny_model_dir, data_files, tmp_path / "eval_ddp", eval_steps=4, **ddp),
+            # No accuracy can beat the first evaluation's by 10: patience 1 stops after the second, at update 4.
+            tiny_args(
+                tiny_model_dir,
+                data_files,
+                tmp_path / "stop_ddp",
+                eval_steps=2,
+                early_stopping_patience=1,
+                early_stopping_threshold=10,
+                **ddp,
+            ),  # fmt: skip
         ],
         num_processes=2,
         work_dir=tmp_path,
     )
     assert "2 micro × 2 accumulation × 2 processes = 8 samples per update" in result.stdout
-    for run in ("ddp", "sync_each_batch", "noise_ddp"):
+    for run in ("ddp", "sync_each_batch", "noise_ddp", "eval_ddp", "stop_ddp"):
         results = json.loads((tmp_path / run / "all_results.json").read_text())
         assert results["num_processes"] == 2, f"{run}: accelerate launch started one process, not two"
         assert results["distributed_type"] == "MULTI_CPU", results
@@ -105,6 +118,17 @@ def test_two_ddp_processes_match_one_process_when_the_rows_do_not_divide(tmp_pat
         assert [m["samples_seen"] for m in read_metrics(tmp_path / run)] == [8, 16, 24, 32, 40, 41]
         assert_same_run(tmp_path / run, tmp_path / "one")
         assert_schedule_ends_at_the_last_update(tmp_path / run)
+    # --eval_steps (issue 65): evaluations after update 4 and at the epoch's end only, the same updates as without.
+    assert [e["step"] for e in read_evaluations(tmp_path / "eval_ddp")] == [4, 6]
+    assert_same_run(tmp_path / "eval_ddp", tmp_path / "one")
+    # Early stopping on 2 processes: both stop after update 4 (the launch ended: no process waits for the other).
+    stopped = json.loads((tmp_path / "stop_ddp" / "all_results.json").read_text())
+    assert [e["step"] for e in read_evaluations(tmp_path / "stop_ddp")] == [2, 4]
+    assert stopped["stopped_early_at"] == stopped["num_update_steps"] == 4 and stopped["best_step"] == 2
+    assert "early stopping: eval_accuracy has not improved" in result.stdout
+    assert re.search(r"^  early stopping +after 1 evaluation", result.stdout, re.M)  # the banner says it is on
+    for a, b in zip(read_metrics(tmp_path / "stop_ddp"), read_metrics(tmp_path / "one")[:4], strict=True):
+        assert (a["loss"], a["grad_norm"]) == pytest.approx((b["loss"], b["grad_norm"]), rel=1e-5)
     noise_ddp, noise_one = read_metrics(tmp_path / "noise_ddp"), read_metrics(tmp_path / "noise_one")
     assert len(noise_ddp) == len(noise_one) == 3
     for a, b in zip(noise_ddp, noise_one):

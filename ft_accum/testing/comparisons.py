@@ -21,6 +21,11 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def read_evaluations(output_dir: Path) -> list[dict]:
+    """eval_metrics.jsonl: one record per evaluation, with the update (`step`) it followed."""
+    return [json.loads(line) for line in (Path(output_dir) / "eval_metrics.jsonl").read_text().splitlines() if line]
+
+
 def snapshot(folder: Path) -> dict[str, str]:
     """sha256 of every file under `folder`, by relative path: what 'nothing was damaged' compares."""
     from ft_accum.core.integrity import sha256_of
