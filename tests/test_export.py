@@ -342,7 +342,8 @@ def test_smollm2_after_a_short_lora_run_exports_and_matches_in_llamacpp(tmp_path
     """The issue's acceptance path on the real bundled SmolLM2-135M-Instruct: a short LoRA run of the
     instruction recipe through `accelerate launch` (its card written, the export command its last
     line), then `ft-accum export` to F16 (llama.cpp's greedy top-1 identical to HF's at every position
-    of three chat prompts) and Q8_0 (at least the stated agreement), a Modelfile beside each."""
+    of three chat prompts), its Modelfile beside it. (Q8_0's export and agreement are
+    test_a_tiny_llama_runs_in_llamacpp_as_in_transformers': the same code, a tenth of the time.)"""
     system = {"role": "system", "content": "Answer briefly."}  # every training conversation's: the Modelfile's SYSTEM
     rows = [{"messages": [system, *row["messages"]]} for row in make_conversations(24, seed=1)]
     data = {
@@ -365,12 +366,10 @@ def test_smollm2_after_a_short_lora_run_exports_and_matches_in_llamacpp(tmp_path
     if not llamacpp_check.llamacpp_available():
         pytest.skip(f"xllamacpp is not installed; {llamacpp_check.INSTALL_HINT}")
     assert export(out, "--format", "gguf", "--outtype", "f16") == 0
-    assert export(out, "--format", "gguf", "--outtype", "q8_0") == 0
     exports = {e["outtype"]: e for e in json.loads((out / "exports.json").read_text())["exports"]}
     assert exports["f16"]["verification"].startswith("llama.cpp: greedy top-1 identical at 96/96 positions")
-    assert "top-1 agreement" in exports["q8_0"]["verification"]
     for entry in exports.values():
         modelfile = Path(entry["modelfile"]).read_text()
         assert modelfile.count('PARAMETER stop "<|im_end|>"') == 1 and 'SYSTEM """Answer briefly."""' in modelfile
         assert f"FROM ./{Path(entry['file']).name}" in modelfile and 'TEMPLATE """' in modelfile
-    assert "instruction_tuning-q8_0.gguf" in (out / "final" / "README.md").read_text()
+    assert "instruction_tuning-f16.gguf" in (out / "final" / "README.md").read_text()

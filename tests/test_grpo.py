@@ -59,11 +59,12 @@ VARIANTS = {
 
 
 def test_every_split_and_two_ddp_processes_make_the_same_updates(tmp_path, eos_lm_dir, prompt_files):
-    """(8 × 1) = (2 × 4) = (4 × 2) = 2 DDP processes × (2 × 2), per loss type: the same completions
+    """(8 × 1) = (2 × 4) = 2 DDP processes × (2 × 2) per loss type, and = (4 × 2) for the first: the same completions
     (their rewards and lengths at every update), losses, gradient norms and final weights."""
     outputs = {name: {} for name in VARIANTS}
     for name, settings in VARIANTS.items():
-        for micro in (8, 2, 4):
+        # (4 × 2) once: a micro-batch of one whole group; (2 × 4) cuts each group in two, for every loss.
+        for micro in (8, 2, 4) if name == next(iter(VARIANTS)) else (8, 2):
             out = tmp_path / name.replace(" ", "_").replace(",", "") / f"{micro}"
             run_in_process("grpo", grpo_args(eos_lm_dir, prompt_files, out, micro, **settings))
             outputs[name][f"{micro}"] = out
@@ -74,7 +75,7 @@ def test_every_split_and_two_ddp_processes_make_the_same_updates(tmp_path, eos_l
     for name, out in outputs.items():
         full = read_metrics(out["8"])
         assert any(m["grad_norm"] > 0 for m in full) and any(0 < m["truncated_fraction"] < 1 for m in full), full
-        for split in ("2", "4", "ddp"):
+        for split in [s for s in ("2", "4", "ddp") if s in out]:
             ours = read_metrics(out[split])
             assert len(ours) == len(full), (name, split)
             for a, b in zip(ours, full):

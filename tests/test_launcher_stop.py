@@ -50,11 +50,12 @@ def run_args(model_dir, data_files, out, **overrides):
     return tiny_args(model_dir, data_files, out, **settings)
 
 
-def start(args, num_processes=1, config_file=None, publish_seconds=1.0, namespace=False):
+def start(args, num_processes=1, config_file=None, publish_seconds=1.0, namespace=False, update_seconds=0.0):
     cmd, env = launch_command("text_classification", args, num_processes, config_file, launcher="ft-accum")
     if namespace:  # the launcher as PID 1 of a new PID namespace, as in a container
         cmd = ["unshare", "--fork", "--pid", "--mount-proc", *cmd]
-    env |= {"PYTHONPATH": str(FAULT_HOOKS), "FT_ACCUM_SLOW_PUBLISH_SECONDS": str(publish_seconds)}
+    env |= {"PYTHONPATH": str(FAULT_HOOKS), "FT_ACCUM_SLOW_PUBLISH_SECONDS": str(publish_seconds),
+            "FT_ACCUM_SLOW_UPDATE_SECONDS": str(update_seconds)}  # fmt: skip
     log = Path(args[[a.split("=")[0] for a in args].index("--output_dir")].split("=", 1)[1] + ".log")
     with open(log, "w") as f:  # a file, not a pipe: a pipe's reader would wait for the recipe too
         process = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -136,7 +137,8 @@ def test_the_saved_resume_command_continues_bit_identically_in_the_same_precisio
     config = yaml.safe_load(CPU_CONFIG.read_text()) | {"mixed_precision": "bf16"}
     bf16_config = tmp_path / "cpu_bf16.yaml"
     bf16_config.write_text(yaml.safe_dump(config))
-    settings = {"max_train_steps": 60, "num_train_epochs": 10}
+    # 16 updates (bf16 autocast on a CPU is slow), each 0.1 s longer in the stopped run so the signal lands mid-run.
+    settings = {"max_train_steps": 16, "num_train_epochs": 10}
 
     reference = tmp_path / "reference"  # uninterrupted, in this process: bf16 as the config's launch sets it
     with mock.patch.dict(os.environ, {"ACCELERATE_MIXED_PRECISION": "bf16"}):
@@ -148,11 +150,12 @@ def test_the_saved_resume_command_continues_bit_identically_in_the_same_precisio
         )
 
     out = tmp_path / "stopped"
-    process, log = start(run_args(tiny_model_dir, data_files, out, **settings), config_file=bf16_config)
+    process, log = start(run_args(tiny_model_dir, data_files, out, **settings), config_file=bf16_config,
+                         update_seconds=0.1)  # fmt: skip
     wait_for_updates(process, out)
     os.killpg(process.pid, signal.SIGTERM)
     process.wait(timeout=300)
-    _, resume = assert_stopped_cleanly(process, log, out, 143, max_train_steps=60)
+    _, resume = assert_stopped_cleanly(process, log, out, 143, max_train_steps=16)
     assert resume.startswith(f"ft-accum launch --config_file {bf16_config} ")
     bin_dir = str(Path(sys.executable).parent)  # where `ft-accum` is installed
     subprocess.run(["bash", "-c", resume], env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"]},

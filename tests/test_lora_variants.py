@@ -92,5 +92,6 @@ def test_each_variant_accumulates_exactly_and_resumes(recipe, variant, tmp_path,
                  f"--train_file={write_jsonl(tmp_path / 'train.jsonl', make(24, seed=5))}",
                  f"--validation_file={write_jsonl(tmp_path / 'val.jsonl', make(4, seed=6))}"]  # fmt: skip
         flags += ["--max_new_tokens=2"] if recipe == "instruction_tuning" else []
-    results = check(ROOT / "recipes" / f"{recipe}.py", [*flags, "--use_lora", "--lora_r=4", variant])
+    # fsdp=False: the end of a run under FSDP is tests/test_engines.py's, for every recipe.
+    results = check(ROOT / "recipes" / f"{recipe}.py", [*flags, "--use_lora", "--lora_r=4", variant], fsdp=False)
     assert all(r.passed for r in results), format_table(results)

@@ -3,7 +3,8 @@
 No list of recipes and no per-recipe settings: each file found is run through `ft-accum check`
 (its `main`, in this process: the same code as the command, without a new interpreter importing
 torch and transformers each time) on its offline default (its own config, model and data, 20 rows
-so that the last window is short, one validation row, the model cut to its first layer): a bad flag
+so that the last window is short, one validation row, the model cut to its first layer; the bundled
+SmolLM2 replaced by a tiny Llama with its tokenizer and chat template): a bad flag
 is one `error:` line, (8 × 1) and (2 × 4) give the same updates and weights, a resume is
 bit-identical.
 tests/test_configs.py checks that each docstring command is a launch of this same run.
@@ -21,6 +22,7 @@ from conftest import ROOT, make_documents, tiny_lm_args, write_jsonl
 
 from ft_accum.cli.check import end_of_run_under_fsdp
 from ft_accum.cli.check import main as ft_accum_check
+from ft_accum.data import offline_assets
 
 pytestmark = pytest.mark.launch
 
@@ -33,7 +35,10 @@ def check(capsys, recipe: Path, *flags: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.py")), ids=lambda p: p.stem)
-def test_every_recipe_keeps_the_contract(recipe, capsys):
+def test_every_recipe_keeps_the_contract(recipe, capsys, monkeypatch, chat_lm_dir):
+    # The default SmolLM2 is a tiny Llama with its real tokenizer and chat template, as in tests/test_engines.py:
+    # one layer of the real one keeps its 28M-parameter embedding, most of each run's time and nothing checked.
+    monkeypatch.setattr(offline_assets, "bundled_smollm2_dir", lambda cache_dir=None: chat_lm_dir)
     # One validation row: evaluation is run, not compared, and each default's first row fills a batch.
     # --skip_fsdp: tests/test_engines.py runs every recipe's shipped defaults under FSDP in one launch.
     code, out = check(capsys, recipe, "--num_layers", "1", "--eval_rows", "1", "--skip_fsdp")

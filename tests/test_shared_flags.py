@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT
 
 from ft_accum.cli.check import first_layers_only, run
+from ft_accum.data import offline_assets
 from ft_accum.testing.shared_flags import NOT_TRIED, TRIALS, try_shared_flags
 from ft_accum.training.arguments import TrainingArguments
 
@@ -34,7 +35,9 @@ def test_the_docs_table_names_every_shared_flag():
 
 @pytest.mark.launch
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.py")), ids=lambda p: p.stem)
-def test_every_recipe_honours_or_refuses_each_shared_flag(recipe: Path, tmp_path):
+def test_every_recipe_honours_or_refuses_each_shared_flag(recipe: Path, tmp_path, monkeypatch, chat_lm_dir):
+    # The default SmolLM2 as a tiny Llama with its tokenizer and chat template (tests/test_engines.py's hook).
+    monkeypatch.setattr(offline_assets, "bundled_smollm2_dir", lambda cache_dir=None: chat_lm_dir)
     with first_layers_only(1):
         report = try_shared_flags(lambda argv: run(recipe, argv), tmp_path)
     assert report.failure is None, report.failure

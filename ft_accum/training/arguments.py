@@ -161,7 +161,11 @@ class TrainingArguments:
         default=False, metadata={"help": "Run Python code shipped with the model. Only for models you trust."}
     )
     report_to: str = field(
-        default="auto", metadata={"help": "tensorboard, none, or auto (tensorboard when installed)."}
+        default="auto",
+        metadata={
+            "help": "tensorboard, wandb (offline unless WANDB_MODE says otherwise), mlflow (a SQLite store in "
+            "--output_dir unless MLFLOW_TRACKING_URI), trackio, none, or auto (tensorboard when installed)."
+        },
     )
     eval_steps: Optional[int] = field(
         default=None,

@@ -22,11 +22,50 @@ from ft_accum.training.checkpointing import check_finite_parameters
 EVAL_METRICS_FILE = "eval_metrics.jsonl"
 
 
+# The trackers tested here (tests/test_trackers.py): the package each needs, and the extra that installs it.
+TRACKER_PACKAGES = {"tensorboard": "demo", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+
+
 def resolve_report_to(report_to: str) -> str | None:
-    """`auto` → tensorboard when it is installed; `none` → None (no tracker)."""
+    """`auto` → tensorboard when it is installed; `none` → None (no tracker). A tracker whose package is
+    missing is one line naming the extra that installs it."""
     if report_to == "auto":
         report_to = "tensorboard" if importlib.util.find_spec("tensorboard") else "none"
+    extra = TRACKER_PACKAGES.get(report_to)
+    if extra and importlib.util.find_spec(report_to) is None:
+        raise ConfigError(
+            f"--report_to {report_to} needs the {report_to} package: pip install 'ft-accum[{extra}]' (or --report_to none)"
+        )
     return None if report_to == "none" else report_to
+
+
+def local_tracker_settings(report_to: str | None, output_dir: str | os.PathLike, environ=os.environ) -> dict:
+    """Accelerate's `init_kwargs` that keep a tracker on this machine unless its own environment says
+    otherwise: W&B in offline mode (WANDB_MODE) with its files in --output_dir, and MLflow's SQLite store
+    in --output_dir (MLFLOW_TRACKING_URI, set here for this process). TensorBoard writes there already;
+    Trackio keeps its local SQLite under TRACKIO_DIR (default ~/.cache/huggingface/trackio)."""
+    out = Path(output_dir).resolve()
+    if report_to == "wandb":
+        return {"wandb": {"mode": environ.get("WANDB_MODE", "offline"), "dir": environ.get("WANDB_DIR", str(out))}}
+    if report_to == "mlflow":
+        import mlflow
+
+        mlflow.set_tracking_uri(environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{out / 'mlflow.db'}"))
+    return {}
+
+
+def tracker_config(settings: dict[str, Any], plan, scaled_learning_rate: float) -> dict[str, Any]:
+    """What a tracker records of the run's settings: every scalar flag, and the batch split the run made
+    (effective batch, micro-batch, accumulation, processes) with the LR scaled to it, under
+    all_results.json's names."""
+    scalars = {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))}
+    return scalars | {
+        "effective_batch_size": plan.effective,
+        "per_device_train_batch_size": plan.micro,
+        "gradient_accumulation_steps": plan.accumulation,
+        "num_processes": plan.processes,
+        "scaled_learning_rate": scaled_learning_rate,
+    }
 
 
 def requested_engine(environ=os.environ) -> str | None:

@@ -23,7 +23,14 @@ from ft_accum.models.neftune import add_neftune_noise
 from ft_accum.training import checkpointing, collective_timeout, model_card, training_state
 from ft_accum.training.banner import format_banner
 from ft_accum.training.graceful_stop import GracefulStop, started_command, without_resume
-from ft_accum.training.run_outputs import check_accelerator, describe_engine, prepare_output_dir, resolve_report_to
+from ft_accum.training.run_outputs import (
+    check_accelerator,
+    describe_engine,
+    local_tracker_settings,
+    prepare_output_dir,
+    resolve_report_to,
+    tracker_config,
+)
 from ft_accum.training.training_state import RunTracker
 
 
@@ -69,7 +76,9 @@ def build_accelerator(task_args, args, project_name: str, loss_weighted_by: str 
     accelerator.wait_for_everyone()
     if report_to:
         accelerator.init_trackers(
-            project_name, config={k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))}
+            project_name,
+            config=tracker_config(settings, plan, args.scaled_learning_rate(plan.effective)),
+            init_kwargs=local_tracker_settings(report_to, args.output_dir),
         )
     return accelerator, plan
 
