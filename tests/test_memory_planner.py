@@ -473,6 +473,11 @@ def test_a_preference_plan_is_a_run_of_the_preference_recipe():
     with pytest.raises(ConfigError, match="--loss must be one of dpo, simpo, orpo"):
         mp.plan(tiny_llama(), task="preference", seq_len=64, effective_batch_size=8, gpu_memory_gib=12,
                 preference_loss="kto")  # fmt: skip
+    # Another task's setting is refused in one line naming its task, never ignored.
+    with pytest.raises(ConfigError, match=r"--student_layers \(--task distillation\), --image_size \(--task "
+                       r"vision_language\): not a setting of --task preference"):  # fmt: skip
+        mp.plan(tiny_llama(), task="preference", seq_len=64, effective_batch_size=8, gpu_memory_gib=12,
+                image_size=448, student_layers=2)  # fmt: skip
 
 
 def test_a_grpo_plan_scores_only_the_completion_and_is_a_run_of_the_grpo_recipe():

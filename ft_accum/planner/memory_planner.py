@@ -21,7 +21,7 @@ from ft_accum.models.layer_selection import student_config
 from ft_accum.models.loading import check_context_length
 from ft_accum.planner.configs import load_model_config
 from ft_accum.planner.launch_line import launch_line
-from ft_accum.planner.task_specs import PREFERENCE_LOSSES, embedding_cache_bytes, task_spec
+from ft_accum.planner.task_specs import PREFERENCE_LOSSES, TASK_SPECS, embedding_cache_bytes, task_spec
 from ft_accum.planner.throughput import (
     ASSUMED_GPU_TFLOPS,
     ASSUMED_PCIE_GBPS,
@@ -97,6 +97,16 @@ def candidate_micro_batches(effective_batch_size: int, num_processes: int = 1) -
     return micro_batches_for(effective_batch_size, num_processes)
 
 
+def refuse_other_tasks_settings(task: str, own: tuple[str, ...], **given: bool) -> None:
+    """A task setting given for a task that does not take it is one line naming its task: the plan would
+    otherwise ignore it (DEVELOPERS.md: a flag is honoured or refused, never silently ignored)."""
+    stray = [name for name, is_given in given.items() if is_given and name not in own]
+    if stray:
+        owners = {name: next(t for t, spec in TASK_SPECS.items() if name in spec.settings) for name in stray}
+        flags = ", ".join(f"--{'loss' if n == 'preference_loss' else n} (--task {owners[n]})" for n in stray)
+        raise ConfigError(f"{flags}: not a setting of --task {task}; drop it, or plan that task")
+
+
 def plan(
     model: str | Any,
     *,
@@ -161,6 +171,17 @@ def plan(
     check_context_length(config.get_text_config(), seq_len, "--seq_len")
     micros = candidate_micro_batches(effective_batch_size, num_processes)
     spec = task_spec(task)
+    refuse_other_tasks_settings(
+        task,
+        spec.settings,
+        preference_loss=preference_loss != "dpo",
+        precompute_ref_log_probs=precompute_ref_log_probs,
+        completion_length=completion_length is not None,
+        student_layers=student_layers is not None,
+        image_size=image_size is not None,
+        images_per_sample=images_per_sample != 1,
+        train_vision_tower=train_vision_tower,
+    )
     offered = {
         "preference_loss": preference_loss,
         "precompute_ref_log_probs": precompute_ref_log_probs,
