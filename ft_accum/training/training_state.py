@@ -188,13 +188,14 @@ RESUME_COMMAND_FILE = "resume_command.txt"
 
 @dataclass(frozen=True)
 class BestModelSettings:
-    """How evaluations are ranked and when they stop the run (--metric_for_best_model and the rest)."""
+    """How evaluations are ranked and when they stop the run (--metric_for_best_model and the rest; their
+    defaults are TrainingArguments', run_setup.start_training builds it)."""
 
-    metric: str = "eval_loss"
-    greater_is_better: bool = False
-    patience: Optional[int] = None  # None: never stop early
-    threshold: float = 0.0
-    load_at_end: bool = False
+    metric: str
+    greater_is_better: bool
+    patience: Optional[int]  # None: never stop early
+    threshold: float
+    load_at_end: bool
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ class RunSettings:
     save_total_limit: Optional[int]
     max_consecutive_skipped_updates: int
     scaled_learning_rate: Callable[[int], float]  # the peak LR for an effective batch (--lr_scaling)
-    best_model: BestModelSettings = BestModelSettings()
+    best_model: BestModelSettings
 
 
 class RunTracker:
@@ -357,8 +358,12 @@ class RunTracker:
         rules, state = self.settings.best_model, self.state
         if state.best_step is None:
             return {}
-        best = {"metric_for_best_model": rules.metric, "best_metric": state.best_metric, "best_step": state.best_step}
-        best["stopped_early_at"] = state.stopped_early_at
+        best = {
+            "metric_for_best_model": rules.metric,
+            "best_metric": state.best_metric,
+            "best_step": state.best_step,
+            "stopped_early_at": state.stopped_early_at,
+        }
         if not rules.load_at_end:
             return best
         if state.best_step != state.step:
