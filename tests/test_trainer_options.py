@@ -40,7 +40,7 @@ from ft_accum.models.neftune import add_neftune_noise
 
 # 4 samples per update over 47 rows: 12 updates an epoch, the last of 3 rows.
 SPLIT = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
-EVERY = {"num_train_epochs": 2, "max_train_samples": 47, "eval_steps": 5}
+RUN = {"num_train_epochs": 2, "max_train_samples": 47}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_early_stopping_stops_where_the_evaluations_say_and_a_killed_resumed_run
     tmp_path, tiny_model_dir, data
 ):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    settings = {**SPLIT, **EVERY, "eval_steps": 2, "checkpointing_steps": 2, "learning_rate": 3e-3}
+    settings = {**SPLIT, **RUN, "eval_steps": 2, "checkpointing_steps": 2, "learning_rate": 3e-3}
     rule = {"metric_for_best_model": "accuracy", "early_stopping_patience": 3, "early_stopping_threshold": 0.05}
     run_in_process("text_classification", tiny_args(tiny_model_dir, data, whole, **settings, **rule))
     expected = stop_by_hand(read_evaluations(whole), "eval_accuracy", 3, 0.05, greater=True)
@@ -102,7 +102,7 @@ def test_load_best_model_at_end_gives_the_best_evaluation_s_weights_kept_from_sa
     out = tmp_path / "best"
     # The largest eval loss ranked best: an early evaluation, so final/ is not the last update's weights.
     rule = {"metric_for_best_model": "eval_loss", "greater_is_better": True, "load_best_model_at_end": True}
-    settings = {**SPLIT, **EVERY, "eval_steps": 3, "checkpointing_steps": 3, "save_total_limit": 1}
+    settings = {**SPLIT, **RUN, "eval_steps": 3, "checkpointing_steps": 3, "save_total_limit": 1}
     run_in_process("text_classification", tiny_args(tiny_model_dir, data, out, **settings, **rule))
     evals = read_evaluations(out)
     best = max(evals, key=lambda e: e["eval_loss"])["step"]
