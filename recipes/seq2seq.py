@@ -90,7 +90,7 @@ class TaskArguments(LabelSmoothingArguments):
                 raise ConfigError(f"--{name} must be ≥ {minimum}, got {getattr(self, name)}")
         if self.bundled_task is not None and self.bundled_task not in offline_assets.BBC_SEQ2SEQ_TASKS:
             raise ConfigError(
-                f"--bundled_task is one of {', '.join(offline_assets.BBC_SEQ2SEQ_TASKS)}, got {self.bundled_task!r}"
+                f"--bundled_task must be one of {', '.join(offline_assets.BBC_SEQ2SEQ_TASKS)}, got {self.bundled_task!r}"
             )
         if self.bundled_task and (self.dataset_name or self.train_file):
             raise ConfigError("--bundled_task picks the offline data: drop it, or drop --dataset_name/--train_file")

@@ -75,7 +75,7 @@ def test_accumulation_matches_the_full_batch_with_varying_target_lengths(
         ({"target_column": "summary"}, ["--target_column 'summary' is not a column", "source, target"]),
         ({"max_source_length": 1}, ["--max_source_length must be ≥ 2"]),
         ({"max_source_length": 512}, ["--max_source_length 512 is longer than the model's 64 positions"]),
-        ({"bundled_task": "summary"}, ["--bundled_task is one of topic, headline, got 'summary'"]),
+        ({"bundled_task": "summary"}, ["--bundled_task must be one of topic, headline, got 'summary'"]),
         ({"bundled_task": "headline"}, ["--bundled_task picks the offline data: drop it, or drop"]),
     ],
 )

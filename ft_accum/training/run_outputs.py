@@ -54,6 +54,15 @@ def local_tracker_settings(report_to: str | None, output_dir: str | os.PathLike,
     return {}
 
 
+def batch_split(plan) -> dict[str, int]:
+    """A BatchPlan's split under the Trainer's names, as all_results.json and the trackers record it."""
+    return {
+        "per_device_train_batch_size": plan.micro,
+        "gradient_accumulation_steps": plan.accumulation,
+        "num_processes": plan.processes,
+    }
+
+
 def tracker_config(settings: dict[str, Any], plan, scaled_learning_rate: float) -> dict[str, Any]:
     """What a tracker records of the run's settings: every scalar flag, and the batch split the run made
     (effective batch, micro-batch, accumulation, processes) with the LR scaled to it, under
@@ -61,9 +70,7 @@ def tracker_config(settings: dict[str, Any], plan, scaled_learning_rate: float) 
     scalars = {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))}
     return scalars | {
         "effective_batch_size": plan.effective,
-        "per_device_train_batch_size": plan.micro,
-        "gradient_accumulation_steps": plan.accumulation,
-        "num_processes": plan.processes,
+        **batch_split(plan),
         "scaled_learning_rate": scaled_learning_rate,
     }
 
@@ -342,9 +349,7 @@ def write_results(
         "train_samples": state.samples_seen,
         "train_tokens": state.tokens_seen,
         "effective_batch_size": state.effective_batch_size,
-        "per_device_train_batch_size": plan.micro,
-        "gradient_accumulation_steps": plan.accumulation,
-        "num_processes": plan.processes,
+        **batch_split(plan),
         "learning_rate": learning_rate,
         "mixed_precision": accelerator.mixed_precision,
         "distributed_type": accelerator.distributed_type.value,
