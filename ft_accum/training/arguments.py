@@ -435,8 +435,10 @@ PARSE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("PARSE_ONLY", 
 
 def run_main(train, task_class: type, argv: list[str] | None, description: str | None, **recipe_defaults):
     """A recipe's `main`: parse and train, with input errors as one `error:` line (errors.one_line_errors).
-    The output folder's lock (run_outputs.lock_output_dir) is released however it ends."""
+    The output folder's lock (run_outputs.lock_output_dir) is released however it ends, and the
+    process group after train()'s locals (process_group_teardown: a deadlock otherwise)."""
     from ft_accum.training.collective_timeout import collective_failures
+    from ft_accum.training.process_group_teardown import release_process_group
     from ft_accum.training.run_outputs import release_output_locks
 
     recipe = Path(train.__code__.co_filename)
@@ -447,6 +449,7 @@ def run_main(train, task_class: type, argv: list[str] | None, description: str |
             return parsed if PARSE_ONLY.get() else train(*parsed)
     finally:
         release_output_locks()
+        release_process_group()
 
 
 def require_at_least(config, minimum: int, *names: str) -> None:

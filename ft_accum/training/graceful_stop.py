@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from ft_accum.training.process_group_teardown import keep_process_group
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DUPLICATE_SECONDS = 1.0
 LAUNCH_COMMAND_ENV = "FT_ACCUM_LAUNCH_COMMAND"  # set by ft-accum launch (ft_accum/cli/launcher.py)
@@ -75,6 +77,7 @@ class GracefulStop:
         accelerator.print(
             f"stopped by {signal.Signals(signum).name}; saved {checkpoint}. Resume with:\n  {self.command}"
         )
+        keep_process_group()  # destroyed after train()'s locals, not by its DDP model's release
         accelerator.end_training()
         self.restore()
         raise SystemExit(128 + signum)

@@ -20,6 +20,7 @@ from ft_accum.core.errors import register_progress_bar
 from ft_accum.core.loss_normalization import check_skipped_updates
 from ft_accum.training import checkpointing, collective_timeout
 from ft_accum.training.model_card import is_exportable_causal_lm, write_model_card
+from ft_accum.training.process_group_teardown import keep_process_group
 from ft_accum.training.run_outputs import log_evaluation, log_update, save_final, truncate_metrics, write_results
 
 
@@ -419,6 +420,7 @@ class RunTracker:
         # Every process leaves the group together: destroy_process_group is local, and a rank that
         # exits while another still writes can tear gloo down under it.
         self.accelerator.wait_for_everyone()
+        keep_process_group()  # destroyed after train()'s locals, not by its DDP model's release
         self.accelerator.end_training()
         if is_exportable_causal_lm(self.accelerator.unwrap_model(model)):
             self.accelerator.print(
