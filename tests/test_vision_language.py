@@ -239,6 +239,21 @@ def test_lora_saves_the_connector_with_the_adapter_and_merges(tmp_path, idefics3
     assert type(merged).__name__ == "Idefics3ForConditionalGeneration"
 
 
+def test_lora_under_bf16_mixed_precision_generates_with_its_frozen_parts_in_bf16(
+    tmp_path, idefics3, vision_files, monkeypatch, capsys
+):
+    """As accelerate_configs/single_gpu_bf16.yaml runs it: the frozen language model and tower are
+    stored in bf16 beside the fp32 connector and adapters, and the evaluation's generate() runs under
+    the training's autocast (unwrap_model drops the prepared forward's): without it the connector is
+    fed the tower's bf16 features."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    model_dir, _ = idefics3
+    results = run_in_process("vision_language", recipe_args(model_dir, vision_files, tmp_path, max_train_steps=1,
+                                                            use_lora=True, lora_r=4, max_new_tokens=1))  # fmt: skip
+    assert "frozen bfloat16" in capsys.readouterr().out
+    assert 0 <= results["eval_exact_match"] <= 1
+
+
 @pytest.mark.parametrize(
     "fault, fragment",
     [

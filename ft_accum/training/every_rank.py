@@ -49,9 +49,12 @@ def generate(accelerator, model, input_ids: torch.Tensor, attention_mask: torch.
             _ROOTS_RUN.add(root)
         root.unshard()
     try:
-        return accelerator.unwrap_model(model).generate(
-            input_ids=input_ids, attention_mask=attention_mask, synced_gpus=sharded, **generation_kwargs
-        )
+        # Under the training's autocast: unwrap_model drops the prepared forward's, and a model whose
+        # frozen parts are stored in bf16 (the dtype policy) beside fp32 trained ones mixes dtypes.
+        with accelerator.autocast():
+            return accelerator.unwrap_model(model).generate(
+                input_ids=input_ids, attention_mask=attention_mask, synced_gpus=sharded, **generation_kwargs
+            )
     finally:
         if root is not None:
             root.reshard()
