@@ -42,6 +42,16 @@ torch, transformers, accelerate, peft, and this project's [demo] data packages, 
    layers, bf16, the BBC instructions at --max_seq_length 512, 8 × 2, 3 updates: the planner's peak
    (task distillation, the widest training micro-batch the run built) against the run's CUDA peak
    (pass: 0.90–1.10), and the run's tokens per second (reported).
+9. contrastive (run only when asked: --checks ...,9): recipes/contrastive_embedding.py on a BERT of
+   bert-base-uncased's sizes (random weights), bf16, 32 × 8 pairs whose two texts both fill
+   --max_seq_length 128 (BBC bodies cut in two: the planner's case), 3 updates: `ft-accum plan --task
+   contrastive`'s peak for that split (the step and the update's embedding cache) against the run's
+   CUDA peak (pass: 0.90–1.10); tokens per second reported.
+10. vision-language (run only when asked: --checks ...,10): recipes/vision_language.py on
+   SmolVLM-Instruct's sizes (random weights; SmolVLM's processor layout around SmolLM2's tokenizer),
+   LoRA r 16, the tower frozen, bf16, the offline digits questions at --max_seq_length 256, 4 × 4, 3
+   updates: `ft-accum plan --task vision_language`'s peak (the widest training micro-batch, its most
+   images a conversation) against the run's CUDA peak (pass: 0.90–1.10); tokens per second reported.
 
 The 12 GB table's low-memory cells (bf16 weights with 8-bit AdamW; QLoRA's 4-bit base) need
 bitsandbytes, the [lowmem] extra: carry its wheel to a GPU machine that lacks it. Paged optimizers
@@ -56,7 +66,7 @@ There --minilm_dir gives MiniLM's config and tokenizer without its weights, so c
 seeded random weights.
 
 --dry_run runs checks 1 (fp32, its two runs in this process rather than launched), 2, 3 (on tiny
-stand-in cells), 4 (one round, no extras) and 6 when named, on this machine's CPU with tiny settings,
+stand-in cells), 4 (one round, no extras), and 6 to 10 when named, on this machine's CPU with tiny settings,
 to test the script without a GPU; its figures say nothing about GPUs.
 """
 
@@ -73,6 +83,7 @@ from pathlib import Path
 import torch
 
 from ft_accum.testing.gpu_checks.common import MINILM, ROOT, dropout_free_minilm
+from ft_accum.testing.gpu_checks.contrastive_peak import check_contrastive
 from ft_accum.testing.gpu_checks.distillation_peak import check_distillation
 from ft_accum.testing.gpu_checks.grpo_peak import check_grpo
 from ft_accum.testing.gpu_checks.instruction_tuning_speed import check_instruction_tuning
@@ -81,6 +92,7 @@ from ft_accum.testing.gpu_checks.memory_table import check_12gb_table, dry_run_c
 from ft_accum.testing.gpu_checks.mixed_precision import check_mixed_precision
 from ft_accum.testing.gpu_checks.oom_replan import check_oom_replan
 from ft_accum.testing.gpu_checks.planner_accuracy import check_planner
+from ft_accum.testing.gpu_checks.vision_language_peak import check_vision_language
 
 
 def run_check(
@@ -109,7 +121,11 @@ def run_check(
         return check_grpo(models, smollm2, dry_run=dry_run)
     if number == 8:
         return check_distillation(models, smollm2, dry_run=dry_run)
-    raise ValueError(f"no check {number}: the checks are 1 to 8")
+    if number == 9:
+        return check_contrastive(models, minilm, dry_run=dry_run)
+    if number == 10:
+        return check_vision_language(models, smollm2, dry_run=dry_run)
+    raise ValueError(f"no check {number}: the checks are 1 to 10")
 
 
 def main():
@@ -119,7 +135,7 @@ def main():
     parser.add_argument(
         "--checks",
         default="1,2,3,4,5",
-        help="which checks to run, in this order (6, 7, 8: only when named), e.g. 3 or 2,4,3: to split a long run",
+        help="which checks to run, in this order (6 to 10: only when named), e.g. 3 or 2,4,3: to split a long run",
     )
     parser.add_argument("--cells", default="", help="with check 3: only the cells whose name contains this text")
     parser.add_argument(
@@ -131,7 +147,7 @@ def main():
     parser.add_argument(
         "--smollm2_dir",
         type=Path,
-        help="with checks 7 and 8: SmolLM2-135M-Instruct's config and tokenizer (the GPU machine's copy from "
+        help="with checks 7, 8 and 10: SmolLM2-135M-Instruct's config and tokenizer (the GPU machine's copy from "
         "benchmarks/gpu_prepare.py), instead of the bundled model's folder; the weights are random either way",
     )
     args = parser.parse_args()

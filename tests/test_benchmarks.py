@@ -162,14 +162,15 @@ def test_optimizer_candidates_benchmark_runs_quick(tmp_path):
 @pytest.mark.launch
 @BENCHMARKS
 def test_gpu_check_dry_run_exercises_every_check_it_can_on_cpu(tmp_path, capsys):
-    """The GPU check must not first break on the GPU machine: its dry run runs checks 1–4 and 6–8 on CPU."""
-    args = ("--dry_run", "--checks", "1,2,3,4,5,6,7,8", "--output", str(tmp_path / "gpu_check.json"))
+    """The GPU check must not first break on the GPU machine: its dry run runs checks 1–4 and 6–10 on CPU."""
+    args = ("--dry_run", "--checks", "1,2,3,4,5,6,7,8,9,10", "--output", str(tmp_path / "gpu_check.json"))
     out = run_script("gpu_check.py", *args, capsys=capsys)
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     checks = " ".join(r["check"] for r in rows)
     parts = ("(8 × 1) = (2 × 4)", "planner / recipe peak", "12 GB table", "throughput", "instruction tuning",
              "GRPO planner / training peak", "GRPO generation, 1 prompt(s) a generate() call",
-             "distillation planner / recipe peak")  # fmt: skip
+             "distillation planner / recipe peak", "contrastive planner / recipe peak",
+             "vision-language planner / recipe peak")  # fmt: skip
     for part in parts:
         assert part in checks, part
     assert all(r["pass"] for r in rows) and "| check | measured |" in out

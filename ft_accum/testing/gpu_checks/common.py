@@ -2,6 +2,7 @@
 random weights, recipe runs through `accelerate launch`, and the CUDA peak.
 """
 
+import functools
 import gc
 import json
 import os
@@ -30,6 +31,8 @@ AUTO_CLASS = {
     "causal_lm": "AutoModelForCausalLM",
     "text_classification": "AutoModelForSequenceClassification",
     "seq2seq": "AutoModelForSeq2SeqLM",
+    "contrastive": "AutoModel",
+    "vision_language": "AutoModelForImageTextToText",
 }
 
 
@@ -192,3 +195,43 @@ def run_recipe(model_dir, rows, micro, accumulation, updates, *flags: str) -> tu
     args = lm_args(model_dir, len(rows[0]["input_ids"]), micro, accumulation, updates, False)
     _, peak, records = recipe_run("causal_lm", [*args, *flags], "bf16")
     return steady_rate([r["samples_per_second"] for r in records], warmup=2), peak
+
+
+class WidestTrainingBatch:
+    """Records the widest `input_ids` a model class's forward gets with gradients on (the training
+    passes, not the held-out ones or a frozen teacher's): the sequence length to give the planner;
+    and the most images a sample of them holds (`pixel_values` of shape batch × images × C × H × W)."""
+
+    def __init__(self, model_class):
+        self.model_class, self.original = model_class, model_class.forward
+        self.seq_len, self.images_per_sample = 0, 0
+
+    def __enter__(self):
+        original = self.original
+
+        @functools.wraps(original)  # generate() reads forward's signature for the inputs it takes
+        def measured(model, *args, **kwargs):
+            input_ids, pixel_values = kwargs.get("input_ids", args[0] if args else None), kwargs.get("pixel_values")
+            if torch.is_grad_enabled() and input_ids is not None:
+                self.seq_len = max(self.seq_len, input_ids.shape[1])
+                if pixel_values is not None and pixel_values.dim() == 5:
+                    self.images_per_sample = max(self.images_per_sample, pixel_values.shape[1])
+            return original(model, *args, **kwargs)
+
+        self.model_class.forward = measured  # before accelerator.prepare wraps it in autocast
+        return self
+
+    def __exit__(self, *exc):
+        self.model_class.forward = self.original
+
+
+def planned_peak_gib(planned: dict, micro: int) -> float:
+    """`ft-accum plan`'s predicted peak (GiB) of the split with micro-batch `micro`, no checkpointing
+    or offloading: what a run of that split without them is judged against."""
+    return next(
+        row["peak_gib"]
+        for row in planned["candidates"]
+        if row["per_device_train_batch_size"] == micro
+        and not row["gradient_checkpointing"]
+        and not row["offload_activations"]
+    )
