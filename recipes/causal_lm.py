@@ -264,9 +264,7 @@ def train(task, args):
         mean_tokens_per_sample=mean_tokens,
         neftune_noise_alpha=task.neftune_noise_alpha,
     )
-    with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluate_perplexity(model, eval_dataloader, accelerator, output_loss)
-    accelerator.print(f"before training: eval_perplexity {initial_eval['eval_perplexity']:.2f}")
+    tracker.evaluate_before_training(evaluate_perplexity, model, eval_dataloader, accelerator, output_loss)
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its target tokens, on every process
         for batch in window:
@@ -284,9 +282,8 @@ def train(task, args):
         tracker.end_update(window, grad_norm=grad_norm)
         if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_perplexity, model, eval_dataloader, accelerator, output_loss)
-    initial = {"initial_eval_perplexity": initial_eval["eval_perplexity"]}
     extras = lambda: save_extras(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
-    return tracker.finish(model, tokenizer=tokenizer, after_save=extras, **initial)
+    return tracker.finish(model, tokenizer=tokenizer, after_save=extras)
 
 
 def main(argv=None):

@@ -197,9 +197,7 @@ def train(task, args):
         banner_rows=rows,
         mean_tokens_per_sample=mean_tokens,
     )
-    with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluate_model(model, eval_dataloader, accelerator)
-    accelerator.print(f"before training: eval_mrr@10 {initial_eval['eval_mrr@10']:.4f}")
+    tracker.evaluate_before_training(evaluate_model, model, eval_dataloader, accelerator)
     losses = functools.partial(contrastive_loss.contrastive_losses, scale=task.scale, symmetric=task.symmetric)
     cache = EmbeddingCache(accelerator, lambda batch: embed(model, batch), losses)
     model.train()
@@ -222,10 +220,9 @@ def train(task, args):
         tracker.end_update(window, grad_norm=grad_norm)
         if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_model, model, eval_dataloader, accelerator)
-    initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     hidden_size = accelerator.unwrap_model(model).config.hidden_size
     final_files = sentence_embedding.sentence_transformers_files(hidden_size, task.max_seq_length)
-    return tracker.finish(model, tokenizer=tokenizer, final_files=final_files, **initial)
+    return tracker.finish(model, tokenizer=tokenizer, final_files=final_files)
 
 
 def main(argv=None):

@@ -281,12 +281,7 @@ def train(task, args):
         tokenizer,
         conversations["validation"],
     )
-    with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluation()
-    before = (
-        f"eval_divergence {initial_eval['eval_divergence']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
-    )
-    accelerator.print(f"before training: {before}")
+    tracker.evaluate_before_training(evaluation)
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its assistant tokens, on every process
         for batch in window:
@@ -304,8 +299,7 @@ def train(task, args):
         tracker.end_update(window, grad_norm=grad_norm, **answers.columns())
         if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluation)
-    initial = {f"initial_{k}": v for k, v in initial_eval.items()}
-    return tracker.finish(model, tokenizer=tokenizer, **initial)
+    return tracker.finish(model, tokenizer=tokenizer)
 
 
 def main(argv=None):

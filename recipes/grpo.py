@@ -301,9 +301,7 @@ def train(task, args):
         make_windows=rounds,
     )
     evaluate_prompts = functools.partial(evaluate, task, args, accelerator, model, tokenizer, splits["validation"])
-    with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluate_prompts(*rewarding)
-    accelerator.print(f"before training: eval_reward {initial_eval['eval_reward']:.3f}")
+    tracker.evaluate_before_training(evaluate_prompts, *rewarding)
     model.train()
     for window in train_windows:  # one update from a round; window.num_items: its completions or tokens, all processes
         logs = torch.zeros(4, device=accelerator.device)  # clipped, entropy, KL, counted tokens
@@ -323,7 +321,7 @@ def train(task, args):
         tracker.end_update(window, grad_norm=grad_norm, **columns)
         if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_prompts, *rewarding)
-    return tracker.finish(model, tokenizer=tokenizer, initial_eval_reward=initial_eval["eval_reward"])
+    return tracker.finish(model, tokenizer=tokenizer)
 
 
 def main(argv=None):

@@ -241,10 +241,9 @@ def train(task, args):
         neftune_noise_alpha=task.neftune_noise_alpha,
     )
     eval_conversations = conversations["validation"]
-    with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluate(task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations)
-    before = f"eval_loss {initial_eval['eval_loss']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
-    accelerator.print(f"before training: {before}")
+    tracker.evaluate_before_training(
+        evaluate, task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations
+    )
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its assistant tokens, on every process
         for batch in window:
@@ -264,14 +263,13 @@ def train(task, args):
             tracker.evaluate(
                 evaluate, task, model, eval_dataloader, accelerator, output_loss, tokenizer, eval_conversations
             )
-    initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     counts = {
         "truncated_train_conversations": train_chats.truncated,
         "dropped_train_conversations": train_chats.dropped,
         "train_system_prompt": train_chats.system_prompt,  # the Modelfile's SYSTEM in ft-accum export
     }
     extras = lambda: save_extras(task, accelerator, model, tokenizer, args.output_dir)  # noqa: E731
-    return tracker.finish(model, tokenizer=tokenizer, after_save=extras, **initial, **counts)
+    return tracker.finish(model, tokenizer=tokenizer, after_save=extras, **counts)
 
 
 def main(argv=None):

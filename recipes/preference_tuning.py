@@ -294,11 +294,7 @@ def train(task, args):
         )
     forward = functools.partial(forward_pairs, task, accelerator, model, output_loss=output_loss)
     evaluate_pairs = functools.partial(evaluate, task, model, eval_dataloader, accelerator, output_loss)
-    with tracker.paused():  # outside the training time, like every evaluation
-        eval_metrics = evaluate_pairs(references["validation"], reference_loss)
-    initial = {f"initial_{k}": v for k, v in eval_metrics.items()}
-    accuracy, margin = eval_metrics["eval_reward_accuracy"], eval_metrics["eval_reward_margin"]
-    accelerator.print(f"before training: reward accuracy {accuracy:.3f}, margin {margin:.4f}")
+    tracker.evaluate_before_training(evaluate_pairs, references["validation"], reference_loss)
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its pairs, on every process
         rewards = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # chosen, rejected, correct, pairs
@@ -322,7 +318,7 @@ def train(task, args):
         if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_pairs, references["validation"], reference_loss)
     counts = {"truncated_train_pairs": train_pairs.truncated, "dropped_train_pairs": train_pairs.dropped}
-    return tracker.finish(model, tokenizer=tokenizer, **initial, **counts)
+    return tracker.finish(model, tokenizer=tokenizer, **counts)
 
 
 def main(argv=None):

@@ -177,9 +177,7 @@ def train(task, args):
         mean_tokens_per_sample=mean_tokens,
     )
     metrics = (load_metric("pearsonr"),)
-    with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluate_model(model, eval_dataloader, accelerator, *metrics)
-    accelerator.print(f"before training: eval_pearsonr {initial_eval['eval_pearsonr']:.4f} (a new regression head)")
+    tracker.evaluate_before_training(evaluate_model, model, eval_dataloader, accelerator, *metrics)
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its pairs, on every process
         for batch in window:
@@ -197,8 +195,7 @@ def train(task, args):
         tracker.end_update(window, grad_norm=grad_norm)
         if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_model, model, eval_dataloader, accelerator, *metrics)
-    initial = {f"initial_{k}": v for k, v in initial_eval.items()}
-    return tracker.finish(model, tokenizer=tokenizer, **initial)
+    return tracker.finish(model, tokenizer=tokenizer)
 
 
 def main(argv=None):

@@ -246,11 +246,8 @@ def train(task, args):
         mean_tokens_per_sample=mean_tokens,
     )
     rouge = load_metric("rouge")
-    with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluate_model(task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss)
-    accelerator.print(
-        f"before training: eval_rougeL {initial_eval['eval_rougeL']:.4f}, "
-        f"eval_exact_match {initial_eval['eval_exact_match']:.4f}, eval_loss {initial_eval['eval_loss']:.4f}"
+    tracker.evaluate_before_training(
+        evaluate_model, task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss
     )
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its target tokens, on every process
@@ -269,8 +266,7 @@ def train(task, args):
         tracker.end_update(window, grad_norm=grad_norm)
         if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_model, task, model, eval_dataloader, accelerator, tokenizer, rouge, output_loss)
-    initial = {f"initial_{k}": v for k, v in initial_eval.items()}
-    return tracker.finish(model, tokenizer=tokenizer, **initial)
+    return tracker.finish(model, tokenizer=tokenizer)
 
 
 def main(argv=None):

@@ -180,6 +180,7 @@ def train(task, args):
         mean_tokens_per_sample=mean_tokens,
     )
     metrics = load_metric("accuracy"), load_metric("f1")
+    tracker.evaluate_before_training(evaluate_model, model, eval_dataloader, accelerator, *metrics)
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its samples, on every process
         for batch in window:

@@ -231,9 +231,7 @@ def train(task, args):
         mean_tokens_per_sample=mean_tokens,
     )
     seqeval = load_metric("seqeval")
-    with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluate_model(model, eval_dataloader, accelerator, seqeval, label_names)
-    accelerator.print(f"before training: eval_f1 {initial_eval['eval_f1']:.4f} (a new tagging head)")
+    tracker.evaluate_before_training(evaluate_model, model, eval_dataloader, accelerator, seqeval, label_names)
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its labelled tokens, on every process
         for batch in window:
@@ -251,8 +249,7 @@ def train(task, args):
         tracker.end_update(window, grad_norm=grad_norm)
         if window.evaluation_due:  # an epoch's end, or every --eval_steps updates
             tracker.evaluate(evaluate_model, model, eval_dataloader, accelerator, seqeval, label_names)
-    initial = {f"initial_{k}": v for k, v in initial_eval.items()}
-    return tracker.finish(model, tokenizer=tokenizer, **initial)
+    return tracker.finish(model, tokenizer=tokenizer)
 
 
 def main(argv=None):

@@ -270,12 +270,9 @@ def train(task, args):
         / len(tokenized["train"].rows),
     )
     answers = answer_inputs(processor, conversations["validation"])
-    with tracker.paused():  # outside the training time, like every evaluation
-        initial_eval = evaluate(
-            task, model, eval_dataloader, accelerator, output_loss, processor, answers, vision_pass
-        )
-    before = f"eval_loss {initial_eval['eval_loss']:.4f}, exact match {initial_eval['eval_exact_match']:.3f}"
-    accelerator.print(f"before training: {before}")
+    tracker.evaluate_before_training(
+        evaluate, task, model, eval_dataloader, accelerator, output_loss, processor, answers, vision_pass
+    )
     model.train()
     for window in train_windows:  # one optimizer update; window.num_items: its answer tokens, on every process
         for batch in window:
@@ -295,14 +292,13 @@ def train(task, args):
             tracker.evaluate(
                 evaluate, task, model, eval_dataloader, accelerator, output_loss, processor, answers, vision_pass
             )
-    initial = {f"initial_{k}": v for k, v in initial_eval.items()}
     train_chats = tokenized["train"]
     counts = {
         "truncated_train_conversations": train_chats.truncated,
         "dropped_train_conversations": train_chats.dropped,
     }
     extras = lambda: save_extras(task, accelerator, model, processor, args.output_dir)  # noqa: E731
-    return tracker.finish(model, tokenizer=processor, after_save=extras, **initial, **counts)
+    return tracker.finish(model, tokenizer=processor, after_save=extras, **counts)
 
 
 def main(argv=None):

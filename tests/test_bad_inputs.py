@@ -350,6 +350,12 @@ CASES = {
         lambda c: {"output_dir": c["files"]["csv_quoting"] / "run", "resume_from_checkpoint": None},
         ["cannot write to --output_dir", "a folder you can write to"],
     ),
+    # Refused at the evaluation before training, not after the training up to the first one.
+    "unknown metric_for_best_model": (
+        "text_classification",
+        lambda c: {"metric_for_best_model": "eval_bleu"},
+        ["--metric_for_best_model eval_bleu is not a metric of this recipe's evaluation", "eval_accuracy"],
+    ),
     "model that needs its own code": (
         "text_classification",
         lambda c: {"model_name_or_path": c["remote_model"]},

@@ -29,7 +29,7 @@ RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 # those uses have their own tests (test_bad_inputs.py). A recipe's own text fields (column names,
 # prompts, choices) get the YAML type check only, so a new recipe needs no entry here; its choices are
 # checked by its own tests.
-# metric_for_best_model: a metric's name, checked against the evaluation's metrics at the first evaluation.
+# metric_for_best_model: a metric's name, checked against the evaluation's metrics before training.
 SHARED_FREE_TEXT = {"output_dir", "resume_from_checkpoint", "accumulation_schedule", "metric_for_best_model"}
 
 

@@ -240,6 +240,7 @@ class RunTracker:
         # re-split changes it mid-run).
         self.lr_scheduler, self.train_windows = lr_scheduler, train_windows
         self.evaluation: dict[str, Any] = {}  # the last evaluation's metrics, whole
+        self.initial_evaluation: dict[str, Any] = {}  # evaluate_before_training's, all_results.json's initial_*
         self.noise = None  # the NoiseScaleMeter of the windows, once an update has been measured
         # A checkpoint (or stop) due at an epoch's last update waits for its evaluation (`log_evaluation`).
         self.pending, self.stopping = False, False
@@ -306,6 +307,19 @@ class RunTracker:
         collective_timeout.POSITION.last_checkpoint = str(path)
         if stopping:
             self.stop.exit(self.accelerator, path)
+
+    def evaluate_before_training(self, evaluate: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> dict:
+        """`evaluate(*args, **kwargs)` before the first update, outside the training time: the baseline,
+        printed and kept for all_results.json (`initial_eval_*`) and the model card's "before training"
+        column. A --metric_for_best_model it does not hold is refused here, in one line, not after the
+        training up to the first evaluation."""
+        with self.paused():
+            metrics = evaluate(*args, **kwargs)
+        metric_key(self.settings.best_model.metric, metrics)
+        self.initial_evaluation = metrics
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        self.accelerator.print("before training: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers.items()))
+        return metrics
 
     def evaluate(self, evaluate: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
         """`evaluate(*args, **kwargs)` at an epoch's end, outside the training time (`paused`), then on record
@@ -403,7 +417,8 @@ class RunTracker:
             extras = after_save() if after_save else {}
         learning_rate = self.settings.scaled_learning_rate(self.state.effective_batch_size)
         # The last evaluation on record wins over this process's: a run resumed after it has only the record.
-        metrics = {**self.evaluation, **metrics, **(self.state.eval_metrics or {})}
+        initial = {f"initial_{k}": v for k, v in self.initial_evaluation.items()}
+        metrics = {**initial, **self.evaluation, **metrics, **(self.state.eval_metrics or {})}
         collective_timeout.POSITION.phase = "save"
         results = write_results(
             self.accelerator,

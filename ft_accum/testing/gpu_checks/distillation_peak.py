@@ -3,38 +3,12 @@
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
-from ft_accum.testing.gpu_checks.common import planner_row, random_model_dir, recipe_run
-
-
-class WidestDistillationBatch:
-    """Records the widest micro-batch recipes/distillation.py trains on (its loss called with gradients
-    on: not the held-out passes): the sequence length the planner must be given."""
-
-    def __init__(self):
-        from ft_accum.models import output_divergence
-
-        self.module, self.original, self.seq_len = output_divergence, output_divergence.DistillationLoss.__call__, 0
-
-    def __enter__(self):
-        original = self.original
-
-        def measured(loss, model, teacher, labels, **inputs):
-            if torch.is_grad_enabled():
-                self.seq_len = max(self.seq_len, inputs["input_ids"].shape[1])
-            return original(loss, model, teacher, labels, **inputs)
-
-        self.module.DistillationLoss.__call__ = measured
-        return self
-
-    def __exit__(self, *exc):
-        self.module.DistillationLoss.__call__ = self.original
+from ft_accum.testing.gpu_checks.common import WidestTrainingBatch, planner_row, random_model_dir, recipe_run
 
 
 def check_distillation(models: Path, smollm2: Path | None, dry_run: bool) -> Iterator[dict]:
     """recipes/distillation.py (see the module docstring's check 8): the planner's peak against the run's."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, LlamaForCausalLM
 
     from ft_accum.planner.tracing import trace_micro_batches
     from ft_accum.testing import make_tiny_chat_lm
@@ -63,7 +37,7 @@ def check_distillation(models: Path, smollm2: Path | None, dry_run: bool) -> Ite
         "--learning_rate=1e-4",
         "--lr_scaling=none",
     ]
-    with WidestDistillationBatch() as widest:
+    with WidestTrainingBatch(LlamaForCausalLM) as widest:  # the student's passes; the teacher's have no grad
         _, measured, records = recipe_run("distillation", args, "bf16")
     rate = steady_rate([r["tokens_per_second"] for r in records], warmup=2)
     config = AutoConfig.from_pretrained(teacher)
