@@ -235,3 +235,15 @@ def planned_peak_gib(planned: dict, micro: int) -> float:
         and not row["gradient_checkpointing"]
         and not row["offload_activations"]
     )
+
+
+def widest_bf16_run(
+    recipe: str, args: list[str], model_class, warmup: int
+) -> tuple[WidestTrainingBatch, float, float]:
+    """One bf16 run of `recipe`: (its widest training micro-batch, its CUDA peak in GiB, its tokens per
+    second after `warmup` updates)."""
+    from ft_accum.testing.benchmarking import steady_rate
+
+    with WidestTrainingBatch(model_class) as widest:
+        _, peak, records = recipe_run(recipe, args, "bf16")
+    return widest, peak, steady_rate([r["tokens_per_second"] for r in records], warmup=warmup)

@@ -5,11 +5,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ft_accum.testing.gpu_checks.common import (
-    WidestTrainingBatch,
     planned_peak_gib,
     planner_row,
     random_model_dir,
-    recipe_run,
+    widest_bf16_run,
 )
 
 
@@ -39,7 +38,6 @@ def check_contrastive(models: Path, minilm: Path, dry_run: bool) -> Iterator[dic
 
     from ft_accum.planner.configs import load_model_config
     from ft_accum.planner.memory_planner import plan
-    from ft_accum.testing.benchmarking import steady_rate
 
     micro, accumulation, max_length = 32, 8, 128
     if dry_run:  # the 1-layer MiniLM: a smoke test of the run, not figures
@@ -61,9 +59,7 @@ def check_contrastive(models: Path, minilm: Path, dry_run: bool) -> Iterator[dic
         "--learning_rate=1e-4",
         "--lr_scaling=none",
     ]
-    with WidestTrainingBatch(BertModel) as widest:
-        _, measured, records = recipe_run("contrastive_embedding", args, "bf16")
-    rate = steady_rate([r["tokens_per_second"] for r in records], warmup=1)
+    widest, measured, rate = widest_bf16_run("contrastive_embedding", args, BertModel, warmup=1)
     planned = plan(
         AutoConfig.from_pretrained(model_dir),
         task="contrastive",

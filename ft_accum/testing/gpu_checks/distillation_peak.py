@@ -3,7 +3,7 @@
 from collections.abc import Iterator
 from pathlib import Path
 
-from ft_accum.testing.gpu_checks.common import WidestTrainingBatch, planner_row, random_model_dir, recipe_run
+from ft_accum.testing.gpu_checks.common import planner_row, random_model_dir, widest_bf16_run
 
 
 def check_distillation(models: Path, smollm2: Path | None, dry_run: bool) -> Iterator[dict]:
@@ -12,7 +12,6 @@ def check_distillation(models: Path, smollm2: Path | None, dry_run: bool) -> Ite
 
     from ft_accum.planner.tracing import trace_micro_batches
     from ft_accum.testing import make_tiny_chat_lm
-    from ft_accum.testing.benchmarking import steady_rate
 
     micro, accumulation, max_length = 8, 2, 512
     if dry_run:  # the tests' 2-layer, 32-wide Llama: a smoke test of the run, not figures
@@ -37,9 +36,8 @@ def check_distillation(models: Path, smollm2: Path | None, dry_run: bool) -> Ite
         "--learning_rate=1e-4",
         "--lr_scaling=none",
     ]
-    with WidestTrainingBatch(LlamaForCausalLM) as widest:  # the student's passes; the teacher's have no grad
-        _, measured, records = recipe_run("distillation", args, "bf16")
-    rate = steady_rate([r["tokens_per_second"] for r in records], warmup=2)
+    # the student's passes: the teacher's have no gradients
+    widest, measured, rate = widest_bf16_run("distillation", args, LlamaForCausalLM, warmup=2)
     config = AutoConfig.from_pretrained(teacher)
     traced = trace_micro_batches(config, [micro], task="distillation", seq_len=widest.seq_len, precision="bf16-mixed")
     predicted = max(e.peak for e in traced[micro]) / 2**30

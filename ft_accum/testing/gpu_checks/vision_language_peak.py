@@ -4,11 +4,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ft_accum.testing.gpu_checks.common import (
-    WidestTrainingBatch,
     planned_peak_gib,
     planner_row,
     random_model_dir,
-    recipe_run,
+    widest_bf16_run,
 )
 
 SMOLVLM_IMAGE_SIZE, SMOLVLM_PATCH_SIZE, SMOLVLM_SCALE_FACTOR = 384, 14, 3  # smolvlm-instruct.json's
@@ -46,7 +45,6 @@ def check_vision_language(models: Path, smollm2: Path | None, dry_run: bool) -> 
 
     from ft_accum.planner.memory_planner import plan
     from ft_accum.testing import make_tiny_chat_lm
-    from ft_accum.testing.benchmarking import steady_rate
 
     micro, accumulation, max_length = 4, 4, 256
     if dry_run:  # the offline default's tiny tower around the tests' 2-layer Llama: a smoke test, not figures
@@ -76,9 +74,7 @@ def check_vision_language(models: Path, smollm2: Path | None, dry_run: bool) -> 
         "--learning_rate=1e-4",
         "--lr_scaling=none",
     ]
-    with WidestTrainingBatch(Idefics3ForConditionalGeneration) as widest:
-        _, measured, records = recipe_run("vision_language", args, "bf16")
-    rate = steady_rate([r["tokens_per_second"] for r in records], warmup=1)
+    widest, measured, rate = widest_bf16_run("vision_language", args, Idefics3ForConditionalGeneration, warmup=1)
     config = AutoConfig.from_pretrained(model_dir)
     planned = plan(
         config,
