@@ -212,3 +212,22 @@ def test_the_resume_command_is_the_launch_as_typed():
         "python recipes/x.py --seed=3 --resume_from_checkpoint latest"
     )
     assert shlex.split(resume_command(["a b.py"], [], launch_command=""))[1] == "a b.py"
+
+
+def test_a_killed_launchers_error_folder_is_removed_by_the_next_launch(tmp_path):
+    """A launcher killed with SIGKILL leaves its error folder; the next one removes it, not a live one's."""
+    import subprocess
+    import sys
+
+    from ft_accum.cli.launcher import ERROR_DIR_PREFIX, remove_stale_error_dirs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, live = (
+        tmp_path / f"{ERROR_DIR_PREFIX}{gone.stdout.strip()}-x1",
+        tmp_path / f"{ERROR_DIR_PREFIX}{os.getpid()}-x2",
+    )
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "rank-1").write_text("error: ...")
+    remove_stale_error_dirs(str(tmp_path))
+    assert not dead.exists() and live.exists()

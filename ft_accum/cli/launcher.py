@@ -80,7 +80,8 @@ def launch(argv: list[str]) -> int:
 
     args = launch_command_parser().parse_args(argv)
     os.environ[LAUNCH_COMMAND_ENV] = command_line(argv)
-    error_dir = os.environ[ERROR_DIR_ENV] = tempfile.mkdtemp(prefix="ft-accum-errors-")
+    remove_stale_error_dirs()
+    error_dir = os.environ[ERROR_DIR_ENV] = tempfile.mkdtemp(prefix=f"{ERROR_DIR_PREFIX}{os.getpid()}-")
     quiet_torchrun_reports()
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(GRACE_SECONDS))
     forwarder = _Forwarder()
@@ -100,6 +101,20 @@ def launch(argv: list[str]) -> int:
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
     return 128 + forwarder.signal if forwarder.signal else 0
+
+
+ERROR_DIR_PREFIX = "ft-accum-errors-"
+
+
+def remove_stale_error_dirs(temp_dir: str | None = None) -> None:
+    """Remove the error folders of launchers that are gone: one killed with SIGKILL (or the machine's
+    OOM killer) cannot remove its own. Each folder's name holds its launcher's process id."""
+    import psutil  # a dependency of accelerate
+
+    for folder in Path(temp_dir or tempfile.gettempdir()).glob(f"{ERROR_DIR_PREFIX}*-*"):
+        pid = folder.name.removeprefix(ERROR_DIR_PREFIX).split("-")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def quiet_torchrun_reports() -> None:
