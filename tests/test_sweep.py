@@ -3,10 +3,8 @@
 import csv
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
@@ -15,13 +13,13 @@ from conftest import (
     FAULT_HOOKS,
     ROOT,
     final_weights,
+    kill_when,
     max_abs_difference,
     read_metrics,
     run_in_process,
     tiny_args,
 )
 
-from ft_accum.cli import launching
 from ft_accum.cli import sweep as sweep_module
 from ft_accum.cli.main import main as cli_main
 
@@ -129,17 +127,8 @@ def test_a_killed_sweep_resumes_without_repeating_finished_runs(tmp_path, tiny_m
     process = subprocess.Popen(
         sweep_command(path), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
-    deadline = time.time() + 600
-    while not (out / "seed=2" / "checkpoints" / "step_000003").exists():
-        assert process.poll() is None and time.time() < deadline, "the sweep ended before run 2 could be interrupted"
-        time.sleep(0.01)
-    tree = launching.process_tree(process.pid)
-    for pid in tree:  # SIGKILL the sweep and everything under it, as a power cut would
-        os.kill(pid, signal.SIGSTOP)
-    for pid in tree:
-        os.kill(pid, signal.SIGKILL)
-    process.wait()
-    time.sleep(0.5)
+    checkpoint_3 = out / "seed=2" / "checkpoints" / "step_000003"
+    kill_when(process, checkpoint_3.exists, "run 2's third checkpoint", timeout=600)  # as a power cut would
     assert not (out / "seed=2" / "all_results.json").exists(), "run 2 finished before the kill"
     run_1_results = (out / "seed=1" / "all_results.json").read_text()
 

@@ -233,7 +233,8 @@ def kill_when(process: subprocess.Popen, ready, what: str, delay: float = 0.0, t
     deadline = time.time() + timeout
     while not ready():
         if process.poll() is not None:
-            raise AssertionError(f"the run ended before {what}:\n{process.stderr.read()[-3000:]}")
+            output = process.stderr.read()[-3000:] if process.stderr else ""
+            raise AssertionError(f"the run ended before {what}:\n{output}")
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.001)
     time.sleep(delay)
