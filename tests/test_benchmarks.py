@@ -195,12 +195,12 @@ def test_gpu_check_runs_the_checks_asked_for_as_the_gpu_machine_does(tmp_path):
 
     minilm = tmp_path / "minilm"
     shutil.copytree(bundled_minilm_dir(), minilm, ignore=shutil.ignore_patterns("model.safetensors"))
-    args = ("--dry_run", "--checks", "9,3", "--cells", "t5", "--minilm_dir", str(minilm))
+    args = ("--dry_run", "--checks", "11,3", "--cells", "t5", "--minilm_dir", str(minilm))
     run_script("gpu_check.py", *args, "--output", str(tmp_path / "g.json"), exit_code=1)
     results = json.loads((tmp_path / "g.json").read_text())
     assert results["minilm_weights"].startswith("random")
     broken, cell = results["rows"]
-    assert broken["check"] == "check 9" and "no check 9" in broken["measured"] and not broken["pass"]
+    assert broken["check"] == "check 11" and "no check 11" in broken["measured"] and not broken["pass"]
     assert cell["cell"] == "tiny-t5-base seq2seq 32 full" and cell["pass"]
 
 
