@@ -17,7 +17,8 @@ rows of whatever data and model your flags (or the recipe's config) give:
    others for ever, and here becomes an error after --ddp_timeout (60 s unless the flags give one).
    `--skip_fsdp` skips it.
 
-The runs use SGD without clipping, warm-up, weight decay or LR scaling, so an update is linear in
+The runs are fp32, whatever ACCELERATE_MIXED_PRECISION the shell exports (the bounds are fp32's),
+and use SGD without clipping, warm-up, weight decay or LR scaling, so an update is linear in
 its gradient and a wrong scale shows at its size (AdamW would hide most of it). Every module is
 kept in eval mode, so dropout draws no masks: two splits of the same batch draw different ones,
 and the check is about the loop's arithmetic, not the model's noise.
@@ -105,11 +106,16 @@ def first_layers_only(num_layers: int | None):
 
 
 def run(recipe_path: Path, argv: list[str]) -> SystemExit | None:
-    """One in-process run of the recipe (a fresh module and Accelerate state each time)."""
+    """One in-process run of the recipe (a fresh module and Accelerate state each time), in fp32 whatever
+    the shell's ACCELERATE_MIXED_PRECISION says: the check's bounds are fp32's (bf16's summation order
+    alone moves a gradient norm by about 1e-4)."""
+    from unittest import mock
+
     from ft_accum.training.run_setup import reset_accelerate_state
 
     try:
-        load_recipe(recipe_path).main(argv)
+        with mock.patch.dict(os.environ, {"ACCELERATE_MIXED_PRECISION": "no"}):
+            load_recipe(recipe_path).main(argv)
     except SystemExit as exc:
         return exc
     finally:
