@@ -88,10 +88,9 @@ class TaskArguments(LabelSmoothingArguments):
         for name, minimum in (("max_source_length", 2), ("max_target_length", 2), ("num_beams", 1)):
             if getattr(self, name) < minimum:
                 raise ConfigError(f"--{name} must be ≥ {minimum}, got {getattr(self, name)}")
-        if self.bundled_task is not None and self.bundled_task not in offline_assets.BBC_SEQ2SEQ_TASKS:
-            raise ConfigError(
-                f"--bundled_task must be one of {', '.join(offline_assets.BBC_SEQ2SEQ_TASKS)}, got {self.bundled_task!r}"
-            )
+        tasks = offline_assets.BBC_SEQ2SEQ_TASKS
+        if self.bundled_task is not None and self.bundled_task not in tasks:
+            raise ConfigError(f"--bundled_task must be one of {', '.join(tasks)}, got {self.bundled_task!r}")
         if self.bundled_task and (self.dataset_name or self.train_file):
             raise ConfigError("--bundled_task picks the offline data: drop it, or drop --dataset_name/--train_file")
 

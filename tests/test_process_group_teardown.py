@@ -48,10 +48,10 @@ def test_a_recipe_keeps_its_group_until_its_train_has_returned(tmp_path, monkeyp
     after train() has returned (and its locals with it)."""
     from conftest import run_in_process, tiny_args
 
-    from ft_accum.training import process_group_teardown, training_state
+    from ft_accum.training import process_group_teardown
 
     events = []
-    monkeypatch.setattr(training_state, "keep_process_group", lambda: events.append("kept"))
+    monkeypatch.setattr(process_group_teardown, "keep_process_group", lambda: events.append("kept"))
     monkeypatch.setattr(process_group_teardown, "release_process_group", lambda: events.append("released"))
     results = run_in_process("text_classification", tiny_args(tiny_model_dir, data_files, tmp_path))
     events.append("returned")

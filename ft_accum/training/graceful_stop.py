@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ft_accum.training.process_group_teardown import keep_process_group
+from ft_accum.training.process_group_teardown import end_training
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DUPLICATE_SECONDS = 1.0
@@ -77,8 +77,7 @@ class GracefulStop:
         accelerator.print(
             f"stopped by {signal.Signals(signum).name}; saved {checkpoint}. Resume with:\n  {self.command}"
         )
-        keep_process_group()  # destroyed after train()'s locals, not by its DDP model's release
-        accelerator.end_training()
+        end_training(accelerator)  # the group destroyed after train()'s locals, not by their release
         self.restore()
         raise SystemExit(128 + signum)
 

@@ -20,12 +20,18 @@ _kept_groups: list = []
 
 
 def keep_process_group() -> None:
-    """Hold the default process group (if any) until `release_process_group()`: call it before
-    `accelerator.end_training()`."""
+    """Hold the default process group (if any) until `release_process_group()`."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         _kept_groups.append(dist.group.WORLD)
+
+
+def end_training(accelerator) -> None:
+    """`accelerator.end_training()` (trackers finished, the process group destroyed), the group kept
+    until `release_process_group()`: every end of a run (RunTracker.finish, the graceful stop) calls this."""
+    keep_process_group()
+    accelerator.end_training()
 
 
 def release_process_group() -> None:

@@ -20,7 +20,7 @@ from ft_accum.core.errors import register_progress_bar
 from ft_accum.core.loss_normalization import check_skipped_updates
 from ft_accum.training import checkpointing, collective_timeout
 from ft_accum.training.model_card import is_exportable_causal_lm, write_model_card
-from ft_accum.training.process_group_teardown import keep_process_group
+from ft_accum.training.process_group_teardown import end_training
 from ft_accum.training.run_outputs import log_evaluation, log_update, save_final, truncate_metrics, write_results
 
 
@@ -435,8 +435,7 @@ class RunTracker:
         # Every process leaves the group together: destroy_process_group is local, and a rank that
         # exits while another still writes can tear gloo down under it.
         self.accelerator.wait_for_everyone()
-        keep_process_group()  # destroyed after train()'s locals, not by its DDP model's release
-        self.accelerator.end_training()
+        end_training(self.accelerator)  # the group destroyed after train()'s locals, not by their release
         if is_exportable_causal_lm(self.accelerator.unwrap_model(model)):
             self.accelerator.print(
                 f"deploy it: ft-accum export {self.settings.output_dir} --format gguf (llama.cpp, Ollama; docs in README's Deploy)"

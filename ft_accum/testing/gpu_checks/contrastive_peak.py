@@ -71,5 +71,8 @@ def check_contrastive(models: Path, minilm: Path, dry_run: bool) -> Iterator[dic
         precision="bf16-mixed",
     )
     predicted = planned_peak_gib(planned, micro)
-    check = f"contrastive planner / recipe peak, bert-base-uncased sizes, {micro} × {accumulation} pairs of {widest.seq_len} tokens, bf16"
+    check = (
+        f"contrastive planner / recipe peak, bert-base-uncased sizes, {micro} × {accumulation} pairs of "
+        f"{widest.seq_len} tokens, bf16"
+    )
     yield planner_row(check, predicted, measured, dry_run, f"; {rate:,.0f} tokens/s", tokens_per_second=rate)
